@@ -1,0 +1,104 @@
+"""`specdraft <stage>`: parse arguments into the stage's config and call one stage function.
+
+Each stage module defines a pydantic config (the single place its defaults live) and a function that
+takes it. Stages are imported lazily so that `specdraft models show` does not pay for the server, etc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# stage -> (module, config class, function, one-line help)
+STAGES: dict[str, tuple[str, str, str, str]] = {
+    "prompts": ("specdraft.data", "PromptsConfig", "build_prompts",
+                "build prompts.jsonl from a data manifest (dedup, quotas, contamination check)"),
+    "traces": ("specdraft.traces", "TracesConfig", "run_traces",
+               "the target's greedy continuations of the prompts (resumable)"),
+    "validation": ("specdraft.traces", "ValidationConfig", "run_validation",
+                   "held-out evaluation points: context_ids and the target's next 16 greedy tokens"),
+    "train": ("specdraft.train", "TrainConfig", "run_train", "distil the draft from the target's traces"),
+    "pack": ("specdraft.pack", "PackConfig", "run_pack", "pack a checkpoint into the QD04 4-bit model dir"),
+    "serve": ("specdraft.server", "ServeConfig", "run_server", "serve POST /draft over HTTP"),
+    "eval": ("specdraft.evaluate", "EvalConfig", "run_eval", "acceptance of a drafter on validation points"),
+    "speculate": ("specdraft.speculate", "SpeculateConfig", "run_speculate",
+                  "lossless greedy speculative decoding, timed against plain greedy"),
+    "selfcheck": ("specdraft.selfcheck", "SelfcheckConfig", "run_selfcheck",
+                  "start the server on a packed model dir and check it end to end"),
+    "demo": ("specdraft.demo", "DemoConfig", "run_demo", "the whole pipeline on the embedded default"),
+    "audit": ("specdraft.audit", "AuditConfig", "run_audit", "prove where every artifact of a run came from"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdraft", description="Draft models for speculative decoding.")
+    sub = parser.add_subparsers(dest="stage", metavar="STAGE")
+    models = sub.add_parser("models", help="model specs: show what a spec resolves to")
+    models_sub = models.add_subparsers(dest="models_cmd", required=True)
+    show = models_sub.add_parser("show", help="architecture and local path of a model spec")
+    show.add_argument("spec", help="local dir | hub:ORG/NAME@REVISION | embedded:NAME")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    for name, (_, _, _, help_text) in STAGES.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def _stage_parser(name: str):
+    from .config import add_config_arguments
+
+    module_name, config_name, func_name, help_text = STAGES[name]
+    module = importlib.import_module(module_name)
+    config_cls = getattr(module, config_name)
+    parser = argparse.ArgumentParser(prog=f"specdraft {name}", description=help_text)
+    parser.add_argument("--config", dest="_config_file", default=None,
+                        help="JSON file with config values (command-line options override it)")
+    add_config_arguments(parser, config_cls)
+    return parser, config_cls, getattr(module, func_name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if argv and argv[0] in STAGES:
+        from .config import config_from_args
+
+        parser, config_cls, func = _stage_parser(argv[0])
+        args = parser.parse_args(argv[1:])
+        try:
+            config = config_from_args(config_cls, args, args._config_file)
+        except Exception as e:  # pydantic ValidationError: show it as a usage error, not a traceback
+            parser.error(str(e))
+        result = func(config)
+        return int(result) if isinstance(result, int) else 0
+    args = _top_parser().parse_args(argv)
+    if args.stage == "models":
+        return _models_show(args.spec, args.json)
+    _top_parser().print_help()
+    return 2
+
+
+def _models_show(spec: str, as_json: bool) -> int:
+    import json
+
+    from .models import ModelSpecError, model_summary
+
+    try:
+        summary = model_summary(spec)
+    except ModelSpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(summary, indent=2))
+    else:
+        width = max(map(len, summary))
+        for key, value in summary.items():
+            if key == "parameters" and value:
+                value = f"{value:,} ({value / 1e6:.1f}M)"
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

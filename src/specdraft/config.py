@@ -1,0 +1,83 @@
+"""Stage configs are pydantic models; this builds argparse options from them so defaults live once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict
+
+
+class StageConfig(BaseModel):
+    """Base for every stage config: strict field names, JSON round-trip, loadable from a file."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any):
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return json.loads(self.model_dump_json())
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[BaseModel]) -> None:
+    """One option per field: --field-name, with the field's description as help.
+
+    Defaults are left to the config class (argparse default is SUPPRESS), so a value not given on the
+    command line never shadows the single definition in the model. Fields marked
+    ``json_schema_extra={"positional": True}`` become positional arguments.
+    """
+    for name, field in config_cls.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        tp = _unwrap_optional(field.annotation)
+        origin = get_origin(tp)
+        kwargs: dict[str, Any] = {"help": (field.description or "") + (
+            f" (default: {field.default!r})" if not field.is_required() else "")}
+        flag = "--" + name.replace("_", "-")
+        if extra.get("positional"):
+            parser.add_argument(name, type=_scalar_type(tp), help=kwargs["help"])
+            continue
+        kwargs["default"] = argparse.SUPPRESS
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif origin is list:
+            (item,) = get_args(tp) or (str,)
+            kwargs.update(action="append", type=_scalar_type(item))
+        elif origin is Literal:
+            kwargs.update(choices=list(get_args(tp)), type=type(get_args(tp)[0]))
+        else:
+            kwargs["type"] = _scalar_type(tp)
+            if field.is_required():
+                kwargs["required"] = True
+        parser.add_argument(flag, *extra.get("aliases", []), dest=name, **kwargs)
+
+
+def _scalar_type(tp: Any):
+    if tp in (int, float, str):
+        return tp
+    if tp is Path:
+        return Path
+    return str
+
+
+def config_from_args(config_cls: type[BaseModel], args: argparse.Namespace, config_file: str | None = None):
+    values = {k: v for k, v in vars(args).items() if k in config_cls.model_fields}
+    if config_file:
+        return config_cls.from_file(config_file, **values)
+    return config_cls(**values)
