@@ -47,8 +47,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[BaseM
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         tp = _unwrap_optional(field.annotation)
         origin = get_origin(tp)
+        default = field.get_default(call_default_factory=True) if not field.is_required() else None
         kwargs: dict[str, Any] = {"help": (field.description or "") + (
-            f" (default: {field.default!r})" if not field.is_required() else "")}
+            f" (default: {default!r})" if not field.is_required() else "")}
         flag = "--" + name.replace("_", "-")
         if extra.get("positional"):
             parser.add_argument(name, type=_scalar_type(tp), help=kwargs["help"])
