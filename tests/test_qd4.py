@@ -1,0 +1,245 @@
+"""QD04 primitives and file: Hypothesis round-trip properties, error bounds and one test per corruption."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from specdraft import qd4
+from specdraft.qd4 import QD4Error, QuantizedTensor
+
+SETTINGS = settings(max_examples=40, deadline=None)
+group_sizes = st.sampled_from([2, 4, 8, 32, 64])
+
+
+@st.composite
+def matrices(draw, max_rows=6, max_cols=150):
+    """Float32 matrices with adversarial values: constant runs, tiny and large magnitudes, any width."""
+    n = draw(st.integers(1, max_rows))
+    k = draw(st.integers(1, max_cols))
+    scale = draw(st.sampled_from([1e-6, 1e-2, 1.0, 300.0]))
+    values = arrays(np.float32, (n, k), elements=st.floats(-4.0, 4.0, width=32))
+    return torch.from_numpy(draw(values) * np.float32(scale))
+
+
+def _error_bound(w, scales, mins, group_size):
+    """Half a step plus fp16 rounding of the stored scale and min (see quantize_groups), per element."""
+    n, k = w.shape
+    ng = scales.shape[1]
+    x = torch.cat([w, w[:, -1:].expand(n, ng * group_size - k)], 1).view(n, ng, group_size)
+    lo, hi = x.amin(-1), x.amax(-1)
+    s_true, s, m = (hi - lo) / qd4.QMAX, scales.float(), mins.float()
+    bound = s / 2 + qd4.QMAX * (s_true - s).abs() + (lo - m).abs()
+    f32 = torch.finfo(torch.float32)
+    slack = 4 * f32.eps * (lo.abs() + hi.abs() + s) + f32.tiny  # float32 arithmetic (and its subnormals)
+    return (bound + slack).repeat_interleave(group_size, dim=1)[:, :k]
+
+
+@SETTINGS
+@given(w=matrices(), group_size=group_sizes)
+def test_codes_in_range_and_error_within_half_step(w, group_size):
+    codes, scales, mins = qd4.quantize_groups(w, group_size)
+    ng = -(-w.shape[1] // group_size)
+    assert codes.dtype == torch.uint8 and codes.shape == (w.shape[0], ng * group_size)
+    assert int(codes.max()) <= 15
+    assert scales.dtype == mins.dtype == torch.float16 and scales.shape == mins.shape == (w.shape[0], ng)
+    back = qd4.dequantize_groups(codes, scales, mins, w.shape[1])
+    assert back.shape == w.shape
+    assert ((w - back).abs() <= _error_bound(w, scales, mins, group_size)).all()
+
+
+@SETTINGS
+@given(w=matrices(), group_size=group_sizes)
+def test_lsq_fit_never_worse_than_minmax(w, group_size):
+    """The lsq encoder only changes (scale, min); per group its squared error is at most minmax's."""
+    w = w[:, : w.shape[1] // group_size * group_size]  # whole groups (padding copies would weigh in the fit)
+    assume(w.shape[1] > 0)
+
+    def group_sq_err(fit):
+        codes, scales, mins = qd4.quantize_groups(w, group_size, fit)
+        assert int(codes.max()) <= 15
+        err = (qd4.dequantize_groups(codes, scales, mins) - w).double().pow(2)
+        return err.view(w.shape[0], -1, group_size).sum(-1)
+
+    minmax, lsq = group_sq_err("minmax"), group_sq_err("lsq")
+    assert (lsq <= minmax * (1 + 1e-5) + 1e-30).all()
+
+
+@SETTINGS
+@given(codes=arrays(np.uint8, st.tuples(st.integers(0, 5), st.integers(0, 20).map(lambda m: 2 * m)),
+                    elements=st.integers(0, 15)))
+def test_unpack_inverts_pack(codes):
+    codes = torch.from_numpy(codes)
+    packed = qd4.pack_codes(codes)
+    assert packed.shape == (codes.shape[0], codes.shape[1] // 2)
+    assert torch.equal(qd4.unpack_codes(packed), codes)
+
+
+def test_pack_nibble_order_even_index_high():
+    assert qd4.pack_codes(torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)).tolist() == [[0x12, 0xF0]]
+
+
+def test_bad_inputs_refused():
+    with pytest.raises(ValueError, match="0..15"):
+        qd4.pack_codes(torch.tensor([[16, 0]], dtype=torch.uint8))
+    with pytest.raises(ValueError, match="even"):
+        qd4.pack_codes(torch.zeros(2, 3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="2-D"):
+        qd4.quantize_groups(torch.zeros(4, 4, 4))
+    with pytest.raises(ValueError, match="even integer"):
+        qd4.quantize_groups(torch.zeros(4, 8), group_size=3)
+    with pytest.raises(ValueError, match="NaN"):
+        qd4.quantize_groups(torch.tensor([[0.0, float("nan")]]), group_size=2)
+    with pytest.raises(ValueError, match="fp16 range"):
+        qd4.quantize_groups(torch.tensor([[0.0, 1e6]]), group_size=2)
+    with pytest.raises(ValueError, match="unknown fit"):
+        qd4.quantize_groups(torch.zeros(2, 4), group_size=2, fit="gptq")
+
+
+def test_ragged_width_is_padded_not_widened():
+    """A last partial group keeps the range of its real values (the padding repeats the last value)."""
+    w = torch.tensor([[0.0] * 64 + [1.0, 1.5, 2.0]])  # K = 67: one full group and a group of three
+    codes, scales, mins = qd4.quantize_groups(w, 64)
+    assert codes.shape == (1, 128)
+    assert float(mins[0, 1]) == 1.0 and float(scales[0, 1]) == pytest.approx(1.0 / 15, rel=1e-3)
+    assert torch.allclose(qd4.dequantize_groups(codes, scales, mins, 67), w, atol=1 / 30 + 1e-3)  # half a step
+
+
+@SETTINGS
+@given(w=matrices(max_rows=4, max_cols=100), norm=arrays(np.float32, st.integers(1, 9),
+                                                             elements=st.floats(-10, 10, width=32)),
+       group_size=group_sizes, raw=st.sampled_from(["f16", "bf16", "f32"]))
+def test_write_read_bit_exact(tmp_path_factory, w, norm, group_size, raw):
+    path = tmp_path_factory.mktemp("rt") / "x.qd4"
+    tensors = {"w": w, "norm": torch.from_numpy(norm), "w_bf16": w.to(torch.bfloat16)}
+    header = qd4.write_qd4(path, tensors, {"w": "q4g", "norm": raw, "w_bf16": "q4g"}, group_size)
+    assert path.stat().st_size == header.file_nbytes == qd4.file_nbytes(header.entries, header.data_nbytes,
+                                                                          group_size)
+    assert all((header.data_offset + e.offset) % 64 == 0 for e in header.entries)
+    read_header, stored = qd4.read_qd4(path)
+    assert read_header == header
+    expect = qd4.quantize(w, group_size)
+    for name in ("w", "w_bf16"):
+        got = stored[name]
+        assert isinstance(got, QuantizedTensor) and got.shape == tuple(w.shape) and got.group_size == group_size
+    for a, b in zip(stored["w"][:3], expect[:3]):
+        assert torch.equal(a, b)
+    assert torch.equal(stored["norm"], tensors["norm"].to(qd4.RAW_ENCODINGS[raw]))
+    # Dequantised through the file == dequantised in memory, bit for bit.
+    assert torch.equal(qd4.load_qd4(path)["w"], qd4.dequantize(expect))
+    # Deterministic: the same input writes the same bytes.
+    again = path.with_name("y.qd4")
+    qd4.write_qd4(again, tensors, {"w": "q4g", "norm": raw, "w_bf16": "q4g"}, group_size)
+    assert again.read_bytes() == path.read_bytes()
+
+
+def test_load_dtype_and_quantized_view(tmp_path):
+    torch.manual_seed(0)
+    w = torch.randn(16, 128)
+    path = tmp_path / "x.qd4"
+    qd4.write_qd4(path, {"w": w, "b": torch.randn(16)}, {"w": "q4g", "b": "f32"}, 64)
+    bf = qd4.load_qd4(path, torch.bfloat16)
+    assert bf["w"].dtype == bf["b"].dtype == torch.bfloat16
+    q = qd4.load_qd4_quantized(path)
+    assert q["w"].codes.shape == (16, 64) and q["w"].scales.shape == (16, 2) and q["w"].shape == (16, 128)
+    assert torch.equal(q["b"], qd4.load_qd4(path)["b"])
+
+
+def test_int4pack_cpu_kernel_matches_dequantised_weight(tmp_path):
+    """The raw codes feed aten's CPU int4 kernel directly (what a server's fast path will do)."""
+    op = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+    if op is None:
+        pytest.skip("no _weight_int4pack_mm_for_cpu in this torch")
+    torch.manual_seed(0)
+    w = torch.randn(64, 256) * 0.05
+    path = tmp_path / "x.qd4"
+    qd4.write_qd4(path, {"w": w}, {"w": "q4g"}, 64)
+    q = qd4.load_qd4_quantized(path)["w"]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qd4.unpack_codes(q.codes).to(torch.int32), 2)
+    x = torch.randn(3, 256)
+    y = op(x, packed, 64, qd4.int4pack_scales_and_zeros(q, torch.float32))
+    assert torch.allclose(y, x @ qd4.dequantize(q).T, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ corruption
+
+@pytest.fixture
+def good_file(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "good.qd4"
+    qd4.write_qd4(path, {"w": torch.randn(8, 64), "n": torch.ones(64)}, {"w": "q4g", "n": "f16"}, 64)
+    return path
+
+
+def _rewrite(path, data):
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_refuses_bad_magic(good_file):
+    data = bytearray(good_file.read_bytes())
+    data[:4] = b"GGUF"
+    with pytest.raises(QD4Error, match="bad magic") as e:
+        qd4.load_qd4(_rewrite(good_file, data))
+    assert str(good_file) in str(e.value)
+
+
+def test_refuses_unknown_version(good_file):
+    data = bytearray(good_file.read_bytes())
+    data[4:8] = struct.pack("<I", 2)
+    with pytest.raises(QD4Error, match="unknown QD04 format version 2"):
+        qd4.load_qd4(_rewrite(good_file, data))
+
+
+def test_refuses_truncated(good_file):
+    data = good_file.read_bytes()
+    with pytest.raises(QD4Error, match="truncated"):
+        qd4.load_qd4(_rewrite(good_file, data[:-10]))
+    with pytest.raises(QD4Error, match="truncated"):
+        qd4.load_qd4(_rewrite(good_file, data[:40]))
+    with pytest.raises(QD4Error, match="truncated"):
+        qd4.load_qd4(_rewrite(good_file, b""))
+
+
+def test_refuses_trailing_bytes(good_file):
+    with pytest.raises(QD4Error, match="trailing"):
+        qd4.load_qd4(_rewrite(good_file, good_file.read_bytes() + b"\0" * 64))
+
+
+def test_refuses_payload_checksum_mismatch(good_file):
+    data = bytearray(good_file.read_bytes())
+    data[-100] ^= 0x01
+    _rewrite(good_file, data)
+    qd4.read_qd4_header(good_file)  # the structure is intact ...
+    with pytest.raises(QD4Error, match="checksum mismatch"):  # ... the payload is not
+        qd4.load_qd4(good_file)
+
+
+def test_refuses_corrupt_header_json(good_file):
+    data = bytearray(good_file.read_bytes())
+    start = data.index(b'"tensors"')
+    data[start:start + 9] = b'"tensorz"'
+    with pytest.raises(QD4Error, match="corrupt header JSON"):
+        qd4.load_qd4(_rewrite(good_file, data))
+
+
+def test_refuses_directory_that_breaks_the_layout(good_file):
+    data = good_file.read_bytes()
+    _, _, hlen = struct.unpack_from("<4sIQ", data)
+    header = json.loads(data[16:16 + hlen])
+    header["tensors"][1]["offset"] += 64
+    body = json.dumps(header, separators=(",", ":")).encode().ljust(hlen)
+    with pytest.raises(QD4Error, match="do not follow the QD04 layout"):
+        qd4.load_qd4(_rewrite(good_file, data[:16] + body + data[16 + hlen:]))
+
+
+def test_refuses_unknown_encoding(good_file):
+    data = good_file.read_bytes()
+    data = data.replace(b'"encoding":"f16"', b'"encoding":"q3k"', 1)
+    with pytest.raises(QD4Error, match="unknown encoding"):
+        qd4.load_qd4(_rewrite(good_file, data))
