@@ -1,0 +1,300 @@
+"""`specdraft audit` on a tiny run built with the real stages, then each link broken once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from specdraft.audit import (AuditConfig, SandboxResult, allowed_roots, audit_run, classify_opens, classify_path,
+                             read_sandbox_events, run_audit, start_sandboxed, stop_process)
+from specdraft.cli import main
+from specdraft.data import PromptsConfig, build_prompts
+from specdraft.provenance import sha256_file
+from specdraft.traces import TracesConfig, ValidationConfig, run_traces, run_validation
+from specdraft.train import TrainConfig, run_train
+
+QUESTIONS = [
+    "What is the sum of seven and five?",
+    "Write a Python function that reverses a string.",
+    "Explain why the sky looks blue during a clear afternoon in simple words for a curious child who asks often.",
+    "Name three rivers in Europe.",
+    "How many legs does a spider have?",
+    "Translate good night into Spanish.",
+    "Describe a quiet morning in a small mountain village.",
+    "Give two tips for writing readable code.",
+]
+LONG_QUESTION = QUESTIONS[2]  # >= 13 words: the contamination test reuses a 13-gram of it
+EVAL = [
+    {"question_id": 81, "category": "writing", "turns": [
+        "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences.",
+        "Rewrite your previous response, starting every sentence with the letter A."]},
+    {"question_id": 101, "category": "reasoning", "turns": [
+        "Imagine you are participating in a race with a group of people and you have just overtaken the second "
+        "person. What is your current position?"]},
+]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tiny_qwen3_dir):
+    """data/ (corpus + manifest), eval/mt_bench.jsonl and run/ built by prompts, traces, validation, train, pack."""
+    root = tmp_path_factory.mktemp("audit")
+    corpus = _write_jsonl(root / "data" / "corpus.jsonl", [{"question": q} for q in QUESTIONS])
+    manifest = root / "data" / "manifest.json"
+    manifest.write_text(json.dumps({
+        "schema_version": 1, "name": "audit-test", "uses_eval_splits": False,
+        "eval_examples_used_as_targets": False,
+        "corpora": [
+            {"name": "qa", "kind": "local_file", "path": "corpus.jsonl", "sha256": sha256_file(corpus),
+             "format": "jsonl", "reader": "question", "license": "MIT"},
+            {"name": "templates", "kind": "templates", "reader": "templates", "license": "Apache-2.0",
+             "count": 6, "generate": 6},
+        ]}, indent=2))
+    eval_file = _write_jsonl(root / "eval" / "mt_bench.jsonl", EVAL)
+    run = root / "run"
+    tiny = str(tiny_qwen3_dir)
+    build_prompts(PromptsConfig(manifest=str(manifest), out=str(run / "prompts" / "prompts.jsonl"), tokenizer=tiny,
+                                eval_set=[str(eval_file)]))
+    run_traces(TracesConfig(prompts=run / "prompts" / "prompts.jsonl", out=run / "traces" / "traces.jsonl",
+                            target=tiny, max_new_tokens=16, batch_size=16, device="cpu"))
+    run_validation(ValidationConfig(prompts=eval_file, out=run / "validation" / "validation.jsonl", target=tiny,
+                                    max_new_tokens=24, num_draft=8, device="cpu"))
+    run_train(TrainConfig(traces=str(run / "traces" / "traces.jsonl"), init=f"truncate:{tiny}:1",
+                          out=str(run / "draft"), target=tiny, max_steps=2, eval_every=1, warmup_steps=1,
+                          heldout_fraction=0.2, batch_tokens=512, threads=1))
+    assert main(["pack", "--checkpoint", str(run / "draft"), "--out", str(run / "model")]) == 0
+    return root
+
+
+@pytest.fixture
+def run(base, tmp_path):
+    """A private copy of the run (the data and eval files stay shared, read-only)."""
+    return shutil.copytree(base / "run", tmp_path / "run", ignore=shutil.ignore_patterns("audit"))
+
+
+def _audit(run: Path, **kw):
+    kw.setdefault("serve_check", False)
+    return audit_run(AuditConfig(run_dir=str(run), **kw))
+
+
+def _failed(report) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for f in report.failed:
+        out.setdefault(f.check, []).append(f)
+    return out
+
+
+def _edit_json(path: Path, dotted: str, value) -> None:
+    data = json.loads(path.read_text())
+    cur = data
+    *head, last = dotted.split(".")
+    for part in head:
+        cur = cur[part]
+    cur[last] = value
+    path.write_text(json.dumps(data, indent=2))
+
+
+# ----------------------------------------------------------------------------------------------- intact
+
+def test_intact_run_passes_with_the_sandboxed_server(run):
+    rc = main(["audit", str(run), "--serve-timeout-s", "90"])
+    report = json.loads((run / "audit" / "audit.json").read_text())
+    fails = [f for f in report["findings"] if f["status"] == "fail"]
+    assert rc == 0 and report["passed"] and not fails, fails
+    md = (run / "audit" / "audit.md").read_text()
+    assert "**PASSED**" in md and "## serve" in md
+    by_check = {f["check"]: f for f in report["findings"]}
+    assert by_check["tensor shapes"]["message"].endswith("tensors with Qwen3ForCausalLM shapes")
+    assert by_check["contamination"]["status"] == "pass" and "completions" in by_check["contamination"]["message"]
+    assert by_check["greedy re-scored"]["status"] == "pass"
+    for check in ("server answers", "server load", "no network", "files read", "files written", "no subprocess"):
+        assert by_check[check]["status"] == "pass", by_check[check]
+    assert "missing=0 unexpected=0" in by_check["server load"]["message"]
+    # every finding cites a file; the server opened nothing of the run but the model dir
+    assert all(f["cites"] and all(c["file"] for c in f["cites"]) for f in report["findings"])
+    opens = report["facts"]["serve_opens"]
+    run_real = str(run.resolve())
+    model_real = str((run / "model").resolve())
+    assert opens["model_dir"] and any(p.endswith("draft.qd4") for p in opens["model_dir"])
+    assert not [p for kind in opens.values() for p in kind if p.startswith(run_real) and not p.startswith(model_real)]
+    assert not opens["other"]
+
+
+def test_missing_files_are_named(run, tmp_path):
+    shutil.rmtree(run / "validation")
+    (run / "traces" / "traces.summary.json").unlink()
+    report = _audit(run, greedy_check=0)
+    missing = " ".join(f.message for f in _failed(report)["file present"])
+    assert "validation/validation.summary.json" in missing and "traces/traces.summary.json" in missing
+    assert run_audit(AuditConfig(run_dir=str(tmp_path / "nope"))) == 2
+
+
+# ------------------------------------------------------------------------------------------------- data
+
+def test_edited_manifest(run):
+    path = run / "prompts" / "data_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["corpora"][0]["name"] = "qa_renamed"
+    path.write_text(json.dumps(manifest, indent=2))
+    fails = _failed(_audit(run, greedy_check=0))
+    assert "manifest sha256" in fails
+    (undeclared,) = fails["prompt sources declared"]
+    assert "source 'qa'" in " ".join(undeclared.details)
+    assert {"file": "prompts/prompts.jsonl", "field": "source"} in undeclared.cites
+
+
+def test_manifest_with_an_eval_split(run):
+    path = run / "prompts" / "data_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["corpora"][0]["split"] = "test"
+    path.write_text(json.dumps(manifest, indent=2))
+    (bad,) = _failed(_audit(run, greedy_check=0))["manifest valid"]
+    assert "evaluation split" in bad.message and bad.cites[0]["file"] == "prompts/data_manifest.json"
+
+
+def test_corpus_file_changed_since_the_run(run, base, tmp_path):
+    changed = tmp_path / "corpus.jsonl"
+    changed.write_text((base / "data" / "corpus.jsonl").read_text() + '{"question": "one more"}\n')
+    stats = run / "prompts" / "prompts.stats.json"
+    data = json.loads(stats.read_text())
+    for rec in data["provenance"]["files"]:
+        if rec["corpus"] == "qa":
+            rec["resolved_path"] = str(changed)
+    stats.write_text(json.dumps(data))
+    (bad,) = _failed(_audit(run, greedy_check=0))["corpus pinned"]
+    assert bad.message.startswith("qa:") and "changed" in bad.message
+    assert bad.cites == [{"file": "prompts/data_manifest.json", "field": "corpora[0].sha256"}]
+
+
+def test_contamination_of_prompts_and_completions_is_listed(run, tmp_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(run / "draft")
+    rows = [json.loads(line) for line in (run / "traces" / "traces.jsonl").read_text().splitlines()]
+    texts = {r["id"]: tok.decode(r["completion_ids"], skip_special_tokens=True) for r in rows}
+    victim = max(texts, key=lambda i: len(texts[i].split()))
+    leaked = " ".join(LONG_QUESTION.split()[:13])
+    eval_file = _write_jsonl(tmp_path / "leaky_eval.jsonl", [{"question_id": 1, "turns": [texts[victim]]},
+                                                             {"question_id": 2, "turns": [f"Note: {leaked}!"]}])
+    (bad,) = _failed(_audit(run, greedy_check=0, eval_set=[str(eval_file)]))["contamination"]
+    details = "\n".join(bad.details)
+    assert f"completion of {victim!r}" in details
+    assert "prompt 'qa-" in details and leaked.lower() in details
+    assert any(c["file"] == str(eval_file) for c in bad.cites)
+
+
+# ----------------------------------------------------------------------------------------------- traces
+
+def test_trace_with_an_unknown_id(run):
+    path = run / "traces" / "traces.jsonl"
+    lines = path.read_text().splitlines()
+    row = json.loads(lines[1])
+    row["id"] = "ghost-000001"
+    lines[1] = json.dumps(row)
+    path.write_text("\n".join(lines) + "\n")
+    fails = _failed(_audit(run, greedy_check=0))
+    assert "'ghost-000001'" in " ".join(fails["trace ids in prompts"][0].details)
+    assert {"traces sha256", "train traces sha256"} <= set(fails)
+
+
+def test_swapped_traces(run):
+    path = run / "traces" / "traces.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    a, b = next((i, j) for i in range(len(rows)) for j in range(i + 1, len(rows))
+                if rows[i]["prompt_ids"] != rows[j]["prompt_ids"] and rows[i]["source"] == rows[j]["source"])
+    rows[a]["id"], rows[b]["id"] = rows[b]["id"], rows[a]["id"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fails = _failed(_audit(run, greedy_check=0))
+    (bad,) = fails["prompt ids"]
+    assert len(bad.details) == 2 and rows[a]["id"] in " ".join(bad.details)
+    assert "traces sha256" in fails
+
+
+def test_completion_that_is_not_the_targets_greedy_choice(run):
+    path = run / "traces" / "traces.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[0]["completion_ids"] = [(t + 1) % 300 + 3 for t in rows[0]["completion_ids"]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (bad,) = _failed(_audit(run, greedy_check=2))["greedy re-scored"]
+    assert repr(rows[0]["id"]) in bad.details[0] and "not the target's greedy choice" in bad.message
+
+
+@pytest.mark.parametrize("file,field,check", [
+    ("draft/train_meta.json", "traces.sha256", "train traces sha256"),
+    ("draft/train_meta.json", "init.weights_sha256", "init model still on disk"),
+    ("traces/traces.summary.json", "target.weights_sha256", "train target"),
+    ("model/pack_recipe.json", "source.weights_sha256", "recipe source"),
+    ("model/architecture.json", "sha256", "weight sha256"),
+])
+def test_changed_hash(run, file, field, check):
+    _edit_json(run / file, field, "0" * 64)
+    fails = _failed(_audit(run, greedy_check=0))
+    assert check in fails, sorted(fails)
+    assert any(c["file"] == file and c["field"] == field for f in fails[check] for c in f.cites)
+
+
+# ------------------------------------------------------------------------------------- training / pack
+
+def test_checkpoint_shapes_not_its_config(run):
+    _edit_json(run / "draft" / "config.json", "intermediate_size", 96)
+    fails = _failed(_audit(run, greedy_check=0))
+    (bad,) = fails["tensor shapes"]
+    assert any("mlp.up_proj.weight: file [128, 64]" in d for d in bad.details)
+    assert "config vs init" in fails
+
+
+def test_flipped_byte_in_the_weights(run):
+    weight = run / "model" / "draft.qd4"
+    data = bytearray(weight.read_bytes())
+    data[-1] ^= 0x01
+    weight.write_bytes(bytes(data))
+    fails = _failed(_audit(run, greedy_check=0))
+    assert {"weight sha256", "weight file structure", "strict load"} <= set(fails)
+    assert "checksum mismatch" in fails["weight file structure"][0].message
+
+
+def test_stray_file_in_the_model_dir(run):
+    (run / "model" / "notes.txt").write_text("not a model file")
+    (bad,) = _failed(_audit(run, greedy_check=0))["model dir contents"]
+    assert "notes.txt" in bad.message
+
+
+# ------------------------------------------------------------------------------------------------ sandbox
+
+def test_sandbox_blocks_and_records_network_and_files(tmp_path):
+    outside = next(p for p in ("/etc/os-release", "/etc/hostname", "/etc/passwd") if Path(p).is_file())
+    (tmp_path / "leaky.py").write_text(
+        "import socket\n"
+        f"open({outside!r}).read()\n"
+        "for call in (lambda: socket.create_connection(('203.0.113.7', 80), timeout=1),\n"
+        "             lambda: socket.getaddrinfo('example.com', 443)):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except OSError as e:\n"
+        "        print('refused:', e)\n")
+    events, log = tmp_path / "events.jsonl", tmp_path / "leaky.log"
+    proc = start_sandboxed("leaky", [], events, log, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    try:
+        proc.wait(60)
+    finally:
+        stop_process(proc)
+    result = SandboxResult()
+    read_sandbox_events(events, result)
+    assert proc.returncode == 0, log.read_text()
+    assert log.read_text().count("refused: specdraft audit sandbox") == 2
+    assert {e["event"] for e in result.network} == {"connect", "getaddrinfo"}
+    assert any("203.0.113.7" in json.dumps(e) for e in result.network)
+    opened = classify_opens(result.opens, allowed_roots(tmp_path / "model", result.python_roots))
+    assert outside in opened["other"] and str(tmp_path / "leaky.py") in opened["temp"] | opened["other"]
+    # the run dir is never an allowed place to read, even inside a temp dir; its model dir is
+    roots = allowed_roots(tmp_path / "run" / "model", result.python_roots, denied=[tmp_path / "run"])
+    assert classify_path(str(tmp_path / "run" / "draft" / "model.safetensors"), roots) == "other"
+    assert classify_path(str(tmp_path / "run" / "model" / "draft.qd4"), roots) == "model_dir"
+    assert classify_path(str(tmp_path / "elsewhere.bin"), roots) == "temp"

@@ -1,0 +1,218 @@
+import json
+import math
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from specdraft.decode import cache_kwargs, draft_batch, greedy_decode
+from specdraft.drafters import LookupDrafter, ModelDrafter
+from specdraft.speculate import (CachedDraftModel, DrafterProposer, NoDraft, SpeculateConfig, _crop_to, load_prompts,
+                                 run_speculate, speculative_generate)
+
+K_VALUES = [1, 2, 4, 8, 16]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny models on a shared 2-core machine: one intra-op thread avoids OpenMP spin contention.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _load(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_qwen3_dir, tiny_llama_dir):
+    return _load(tiny_qwen3_dir), _load(tiny_llama_dir)
+
+
+class AlwaysWrong:
+    """Knows the target's greedy continuation and proposes its next token plus one (mod vocab), then
+    filler: every first draft token is rejected."""
+
+    name = "wrong"
+
+    def __init__(self, prompt, reference, vocab):
+        self.prompt, self.reference, self.vocab = list(prompt), list(reference), vocab
+
+    def reset(self):
+        pass
+
+    def propose(self, context, k):
+        assert context[: len(self.prompt)] == self.prompt
+        nxt = self.reference[len(context) - len(self.prompt)]
+        return [(nxt + 1) % self.vocab] + [nxt] * (k - 1)
+
+
+def _prompts(vocab, seed=0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 6, 15)]
+    base = [rng.randrange(3, vocab) for _ in range(8)]
+    prompts.append(base * 3)  # repetitive: the lookup drafter finds matches
+    return prompts
+
+
+def test_speculative_equals_greedy_for_every_drafter_and_k(models):
+    target, other = models
+    vocab = target.config.vocab_size
+    proposers = {"self": CachedDraftModel(target),
+                 "lookup": DrafterProposer(LookupDrafter()), "other-cached": CachedDraftModel(other),
+                 "other-reprefill": DrafterProposer(ModelDrafter(other, max_batch_size=1))}
+    n_new = 18
+    for prompt in _prompts(vocab):
+        ref = greedy_decode(target, [prompt], n_new, stop_at_eos=False)[0].tokens
+        proposers["wrong"] = AlwaysWrong(prompt, ref, vocab)
+        for k in K_VALUES:
+            for name, prop in proposers.items():
+                if name.startswith("other") and k not in (1, 4, 16):
+                    continue  # a real but unrelated draft: slow (few tokens accepted); three k values do
+                gen = speculative_generate(target, prop, prompt, n_new, k, eos_ids=set())
+                assert gen.tokens == ref, (name, k, len(prompt))
+                assert gen.accepted <= gen.drafted and gen.steps == len(gen.accepted_per_step)
+                # every verify step yields its accepted drafts plus the target's own token
+                assert len(gen.tokens) == 1 + gen.steps + gen.accepted
+                if name == "self":  # always right: steps = ceil((n - 1) / (k + 1))
+                    assert gen.accepted == gen.drafted
+                    assert gen.steps == math.ceil((n_new - 1) / (k + 1))
+                if name == "wrong":  # always wrong: one token per step, like plain greedy
+                    assert gen.accepted == 0 and gen.steps == n_new - 1
+
+
+def test_no_draft_is_plain_greedy(models):
+    target, _ = models
+    prompt = _prompts(target.config.vocab_size)[2]
+    gen = speculative_generate(target, NoDraft(), prompt, 12, 4, eos_ids=set())
+    assert gen.tokens == greedy_decode(target, [prompt], 12, stop_at_eos=False)[0].tokens
+    assert gen.drafted == 0 and gen.steps == 11
+
+
+def test_eos_inside_an_accepted_draft_stops_like_greedy(models):
+    target, _ = models
+    prompt = _prompts(target.config.vocab_size)[1]
+    free = greedy_decode(target, [prompt], 20, stop_at_eos=False)[0].tokens
+    eos = {free[6]}  # pretend the 7th greedy token is EOS
+    ref = greedy_decode(target, [prompt], 20, eos_ids=eos)[0]
+    for k in (1, 4, 16):
+        gen = speculative_generate(target, CachedDraftModel(target), prompt, 20, k, eos_ids=eos)
+        assert gen.tokens == ref.tokens and gen.finish_reason == ref.finish_reason == "eos"
+
+
+def test_cached_draft_model_equals_draft_batch(models):
+    _, draft = models
+    rng = random.Random(5)
+    cached = CachedDraftModel(draft)
+    ctx = [rng.randrange(3, 300) for _ in range(5)]
+    for _ in range(12):
+        k = rng.choice([1, 3, 6])
+        got = cached.propose(ctx, k)
+        assert got == draft_batch(draft, [ctx], k)[0]
+        # next context: some accepted drafts plus a bonus token (or an unrelated jump back)
+        if rng.random() < 0.2:
+            ctx = ctx[: rng.randrange(1, len(ctx) + 1)]
+        else:
+            ctx = ctx + got[: rng.randrange(0, k + 1)] + [rng.randrange(3, 300)]
+
+
+def test_crop_to(models):
+    target, _ = models
+    cache = DynamicCache(config=target.config)
+    target(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), use_cache=True, **cache_kwargs(target, cache))
+    _crop_to(cache, 3)
+    assert cache.get_seq_length() == 3
+    _crop_to(cache, 10)
+    assert cache.get_seq_length() == 3
+
+
+def test_load_prompts_formats(tmp_path, tiny_qwen3_dir):
+    from specdraft.traces import encode_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    path = tmp_path / "p.jsonl"
+    rows = [{"id": "a", "prompt": "Write a poem."},
+            {"question_id": 81, "turns": ["What is 12 times 7?", "And 13?"]},
+            {"id": "v", "category": "c", "offset": 0, "context_ids": [1, 2, 3], "target_ids": [4] * 16},
+            {"id": "v", "category": "c", "offset": 16, "context_ids": [1, 2, 3, 4], "target_ids": [4] * 16},
+            {"id": "t", "prompt_ids": [7, 8]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    prompts = load_prompts(path, tok)
+    assert [p.id for p in prompts] == ["a", "81", "v@0", "t"]
+    assert prompts[0].ids == encode_prompts(tok, ["Write a poem."])[0]  # the templating traces uses
+    assert tok.decode(prompts[0].ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert prompts[2].ids == [1, 2, 3] and prompts[3].ids == [7, 8]
+    assert len(load_prompts(path, tok, limit=2)) == 2
+    path.write_text(json.dumps({"id": "x", "text": "no prompt field"}) + "\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:1: no prompt"):
+        load_prompts(path, tok)
+
+
+def _prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    texts = ["Write a Python function that returns the sum of a list.", "The capital of France is Paris, and"]
+    path.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": t}) for i, t in enumerate(texts)) + "\n")
+    return path
+
+
+def test_run_speculate_report_matches_recomputation(tmp_path, tiny_qwen3_dir, tiny_llama_dir, models):
+    from specdraft.evaluate import load_draft_model
+
+    target, _ = models
+    out = tmp_path / "out"
+    cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts=_prompt_file(tmp_path),
+                          out=out, max_new_tokens=12, k=[1, 3], warmup=False)
+    assert run_speculate(cfg) == 0
+    report = json.loads((out / "speculate.json").read_text())
+    assert report["lossless"] and not report["mismatches"]
+    assert set(report["drafters"]) == {"draft", "lookup"}
+    assert report["provenance"]["drafters"]["draft"]["compute"] == "int4"  # the default, as the server runs it
+    # accepted tokens per step recomputed independently from the same prompts
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    prompts = load_prompts(cfg.prompts, tok)
+    int4_draft, _ = load_draft_model(tiny_llama_dir, "int4")
+    for k in (1, 3):
+        gens = [speculative_generate(target, CachedDraftModel(int4_draft), p.ids, 12, k) for p in prompts]
+        row = report["drafters"]["draft"]["per_k"][str(k)]
+        assert row["accepted_per_step"] == pytest.approx(sum(g.accepted for g in gens) / sum(g.steps for g in gens))
+        assert row["tokens"] == sum(len(g.tokens) for g in gens)
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / report["baseline"]["tokens_per_s"])
+        assert row["tokens_per_s"] == row["tokens_per_s_wall"] and row["tokens_per_s_cpu"] > 0  # clock: wall
+    best = report["drafters"]["draft"]
+    assert best["best_k"] in (1, 3)
+    assert best["best_tokens_per_s"] == max(r["tokens_per_s"] for r in best["per_k"].values())
+    md = (out / "speculate.md").read_text()
+    assert "tokens/s" in md and "identical to plain greedy" in md
+    assert (out / "speculate_tokens_per_s.png").read_bytes()[:4] == b"\x89PNG"
+    assert report["provenance"]["prompts_sha256"]
+
+
+def test_run_speculate_flags_a_mismatch(tmp_path, tiny_qwen3_dir, monkeypatch):
+    import specdraft.speculate as spec
+    from specdraft.decode import Generation
+
+    def wrong_greedy(model, prompts, n, **kw):  # a "reference" that disagrees with the target
+        return [Generation([0] * n, "length") for _ in prompts]
+
+    monkeypatch.setattr(spec, "greedy_decode", wrong_greedy)
+    cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft="lookup", prompts=_prompt_file(tmp_path),
+                          out=tmp_path / "o", max_new_tokens=6, k=[2], warmup=False)
+    assert run_speculate(cfg) == 1
+    report = json.loads((tmp_path / "o" / "speculate.json").read_text())
+    assert not report["lossless"] and report["mismatches"]
+
+
+def test_config_k_and_cli_alias(tmp_path):
+    from specdraft.cli import _stage_parser
+    from specdraft.config import config_from_args
+
+    parser, cls, _ = _stage_parser("speculate")
+    args = parser.parse_args(["--draft", "lookup", "--prompts", "p.jsonl", "-k", "16", "-k", "4"])
+    cfg = config_from_args(cls, args)
+    assert cfg.k == [4, 16] and cfg.baseline_lookup
+    assert SpeculateConfig(draft="lookup", prompts="p").k == [2, 4, 8, 16]
+    with pytest.raises(ValueError):
+        SpeculateConfig(draft="lookup", prompts="p", k=[0])
