@@ -1,0 +1,147 @@
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from specdraft.decode import greedy_decode
+from specdraft.tiny import build_tiny_model
+from specdraft.train import (Example, TrainConfig, heldout_loss, make_batches, parse_truncate_spec,
+                             read_traces, run_train, simulated_acceptance, split_heldout, truncate_model)
+from specdraft.metrics import accepted_length
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("target"), "llama", layers=4, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_traces(tmp_path_factory, tiny_target):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(4, 20))] for _ in range(40)]
+    gens = greedy_decode(model, prompts, 40, stop_at_eos=False)
+    path = tmp_path_factory.mktemp("traces") / "traces.jsonl"
+    with open(path, "w") as f:
+        for i, (p, g) in enumerate(zip(prompts, gens)):
+            f.write(json.dumps({"id": f"t{i}", "source": "test", "prompt_ids": p,
+                                "completion_ids": g.tokens, "finish_reason": g.finish_reason}) + "\n")
+    return path
+
+
+def _cfg(traces, target, out, **kw):
+    base = dict(traces=str(traces), init=f"truncate:{target}:2", out=str(out), target=str(target),
+                epochs=2, lr=3e-3, warmup_steps=2, batch_tokens=256, eval_every=4, heldout_fraction=0.2,
+                seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_parse_truncate_spec():
+    assert parse_truncate_spec("truncate:embedded:smollm2-135m-instruct:4") == ("embedded:smollm2-135m-instruct", 4)
+    assert parse_truncate_spec("truncate:/x/y:0,2,5") == ("/x/y", [0, 2, 5])
+    assert parse_truncate_spec("/plain/dir") is None
+    with pytest.raises(ValueError):
+        parse_truncate_spec("truncate:4")
+
+
+def test_truncate_keeps_chosen_layers(tiny_target):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    third = model.model.layers[3].mlp.up_proj.weight.clone()
+    truncate_model(model, [0, 3])
+    assert model.config.num_hidden_layers == 2 and len(model.model.layers) == 2
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, third)
+    assert model.model.layers[1].self_attn.layer_idx == 1
+    with pytest.raises(ValueError):
+        truncate_model(model, 5)
+
+
+def test_batches_cover_every_example_once_and_respect_budget():
+    exs = [Example(str(i), list(range(5 + i % 17)), 2) for i in range(100)]
+    batches = make_batches(exs, 64, seed=1, epoch=0)
+    flat = sorted(i for b in batches for i in b)
+    assert flat == list(range(100))
+    assert all(len(b) * max(len(exs[i].input_ids) for i in b) <= 64 or len(b) == 1 for b in batches)
+    assert make_batches(exs, 64, 1, 0) == batches and make_batches(exs, 64, 1, 1) != batches
+
+
+def test_simulated_acceptance_equals_real_greedy_drafts(tiny_target):
+    target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    draft = truncate_model(AutoModelForCausalLM.from_pretrained(tiny_target).eval(), 3)
+    rng = random.Random(5)
+    exs = []
+    for i in range(4):
+        prompt = [rng.randrange(3, 300) for _ in range(6 + i)]
+        completion = greedy_decode(target, [prompt], 32, stop_at_eos=False)[0].tokens
+        exs.append(Example(f"e{i}", prompt + completion, len(prompt)))
+    stats = simulated_acceptance(draft, exs, k=8)
+    # Independently: real greedy drafts from the context at each offset.
+    real = []
+    for ex in exs:
+        for off in range(0, 32 - 8 + 1, 8):
+            ctx = ex.input_ids[: ex.prompt_len + off]
+            d = greedy_decode(draft, [ctx], 8, stop_at_eos=False)[0].tokens
+            real.append(accepted_length(d, ex.completion[off:off + 8]))
+    assert stats.points == len(real)
+    assert stats.accepted_total == sum(real)
+
+
+def test_training_improves_and_writes_artifacts(tiny_traces, tiny_target, tmp_path):
+    cfg = _cfg(tiny_traces, tiny_target, tmp_path / "ckpt", epochs=4, eval_every=10)
+    train_set, _ = split_heldout(read_traces(tiny_traces, cfg.max_seq_len), cfg.heldout_fraction)
+    init = truncate_model(AutoModelForCausalLM.from_pretrained(tiny_target), 2)
+    meta = run_train(cfg)
+    # Random-model traces do not generalise across prompts; the fit to the training traces must improve.
+    best = meta["best"]
+    assert best["sim_accept"] == max(h["sim_accept"] for h in meta["history"])
+    final_fit = meta["final"]["train_loss"]
+    assert final_fit < heldout_loss(init, train_set, pad_id=0) - 0.3
+    out = tmp_path / "ckpt"
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert (out / "train_curves.png").stat().st_size > 0
+    saved = json.loads((out / "train_meta.json").read_text())
+    assert saved["traces"]["count"] == 40 and len(saved["traces"]["sha256"]) == 64
+    assert saved["init"]["truncate_layers"] == 2
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.config.num_hidden_layers == 2
+
+
+def test_resume_after_interruption_matches_uninterrupted_run(tiny_traces, tiny_target, tmp_path):
+    full = _cfg(tiny_traces, tiny_target, tmp_path / "full", max_steps=8)
+    run_train(full)
+    part = _cfg(tiny_traces, tiny_target, tmp_path / "part", max_steps=8)
+    # "Kill" after step 4: run with the same config but stop early by truncating total steps.
+    import specdraft.train as train_mod
+    original = train_mod.lr_at
+    calls = {"n": 0}
+
+    class Killed(Exception):
+        pass
+
+    def killing_lr(step, total, cfg):
+        if step == 5:  # the 6th optimizer step: after the step-4 checkpoint was written
+            raise Killed
+        return original(step, total, cfg)
+
+    train_mod.lr_at = killing_lr
+    try:
+        with pytest.raises(Killed):
+            run_train(part)
+    finally:
+        train_mod.lr_at = original
+    assert (tmp_path / "part" / "last" / "trainer_state.json").is_file()
+    run_train(part)
+    a = load_file(tmp_path / "full" / "last" / "model.safetensors")
+    b = load_file(tmp_path / "part" / "last" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_tokenizer_mismatch_is_refused(tiny_traces, tiny_target, tmp_path):
+    other = build_tiny_model(tmp_path / "other", "llama", vocab_size=300)
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        run_train(_cfg(tiny_traces, tiny_target, tmp_path / "x", init=str(other)))
