@@ -1,10 +1,12 @@
 import random
+from collections import deque
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdraft.decode import draft_batch, greedy_decode, left_pad, naive_greedy
+from specdraft.decode import (SlotDecoder, draft_batch, greedy_decode, iter_greedy, left_pad, naive_greedy,
+                              prefill_group, supports_slot_cache)
 
 
 def _load(path):
@@ -24,10 +26,11 @@ def test_left_pad_right_aligns():
         left_pad([[1], []], pad_id=0)
 
 
-def test_cached_equals_naive(tiny_model_dir):
+@pytest.mark.parametrize("kv_cache", ["static", "dynamic"])
+def test_cached_equals_naive(tiny_model_dir, kv_cache):
     model = _load(tiny_model_dir)
     for prompt in _prompts(model.config.vocab_size, [1, 5, 17]):
-        fast = greedy_decode(model, [prompt], 12, stop_at_eos=False)[0]
+        fast = greedy_decode(model, [prompt], 12, stop_at_eos=False, kv_cache=kv_cache)[0]
         ref = naive_greedy(model, prompt, 12, stop_at_eos=False)
         assert fast.tokens == ref.tokens
 
@@ -56,6 +59,59 @@ def test_eos_stops_rows_independently(tiny_model_dir):
     assert got[0].tokens == free[0][: free[0].index(eos_tok) + 1]
 
 
+def test_continuous_batching_equals_single_rows(tiny_model_dir):
+    """A batch smaller than the prompt list: finished rows leave, waiting prompts take their slots (rows of
+    different ages and prompt lengths side by side), and every row still gets its own tokens."""
+    model = _load(tiny_model_dir)
+    prompts = _prompts(model.config.vocab_size, [3, 20, 1, 9, 14, 6, 30, 2], seed=3)
+    free = [naive_greedy(model, p, 9, stop_at_eos=False).tokens for p in prompts]
+    eos = {free[1][3], free[4][0], free[6][5]}  # rows stop early at different steps; one at its first token
+    ref = [naive_greedy(model, p, 9, eos_ids=eos) for p in prompts]
+    for batch_size, prefill_tokens, max_padding in [(3, 8192, 0.1), (2, 8192, 1.0), (8, 40, 0.5), (8, 8192, 1.0)]:
+        got = dict(iter_greedy(model, prompts, 9, batch_size=batch_size, eos_ids=eos, prefill_tokens=prefill_tokens,
+                               max_padding=max_padding, order=sorted(range(8), key=lambda i: -len(prompts[i]))))
+        assert sorted(got) == list(range(8))
+        assert [got[i] for i in range(8)] == ref
+    assert any(g.finish_reason == "eos" for g in ref) and any(g.finish_reason == "length" for g in ref)
+    assert dict(iter_greedy(model, prompts, 9, batch_size=3, eos_ids=eos, kv_cache="dynamic")) == dict(enumerate(ref))
+
+
+def test_prefill_groups_bound_padding_and_tokens():
+    lengths = [100, 95, 60, 58, 57, 10, 10, 10]
+    waiting = deque(range(8))
+    groups = []
+    while waiting:
+        groups.append(prefill_group(waiting, lengths, free=3, max_tokens=200, max_padding=0.1))
+    assert groups == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    assert prefill_group(deque([0, 1]), [500, 1], free=4, max_tokens=100, max_padding=1.0) == [0]  # alone if too big
+
+
+def test_slot_engine_with_eager_attention(tiny_qwen3_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    prompts = _prompts(model.config.vocab_size, [4, 13, 1], seed=4)
+    got = greedy_decode(model, prompts, 8, stop_at_eos=False, batch_size=2, kv_cache="static")
+    assert [g.tokens for g in got] == [naive_greedy(model, p, 8, stop_at_eos=False).tokens for p in prompts]
+
+
+def test_slot_engine_support_and_arguments(tiny_llama_dir):
+    model = _load(tiny_llama_dir)
+    assert supports_slot_cache(model)
+    model.config.sliding_window = 16  # a windowed model needs the dynamic engine's own masks
+    assert not supports_slot_cache(model)
+    model.config.sliding_window = None
+    with pytest.raises(ValueError, match="permutation"):
+        list(iter_greedy(model, [[5], [6]], 2, order=[0, 0]))
+    with pytest.raises(ValueError, match="at least one token"):
+        greedy_decode(model, [[5], []], 2)
+    decoder = SlotDecoder(model, slots=1, capacity=8, max_new_tokens=4, eos=set())
+    with pytest.raises(ValueError, match="capacity"):
+        decoder.admit([0], [[5] * 6])
+    decoder.admit([0], [[5] * 3])
+    with pytest.raises(ValueError, match="free slots"):
+        decoder.admit([1], [[5]])
+
+
 @pytest.mark.slow
 def test_smollm2_batched_equals_single_and_naive():
     from specdraft.models import DEFAULT_TARGET, load_model, load_tokenizer
@@ -66,6 +122,7 @@ def test_smollm2_batched_equals_single_and_naive():
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                        tokenize=False) for t in texts]
     prompts = [tok(p, add_special_tokens=False).input_ids for p in prompts]
-    batched = greedy_decode(model, prompts, 12)
-    for prompt, gen in zip(prompts, batched):
-        assert gen.tokens == naive_greedy(model, prompt, 12).tokens
+    naive = [naive_greedy(model, p, 12) for p in prompts]
+    assert greedy_decode(model, prompts, 12) == naive  # one batch
+    assert greedy_decode(model, prompts, 12, batch_size=2) == naive  # a slot refilled mid-run
+    assert [greedy_decode(model, [p], 12)[0] for p in prompts] == naive  # alone

@@ -161,14 +161,18 @@ class RunPaths:
 
     @classmethod
     def from_config(cls, cfg: AuditConfig) -> "RunPaths":
-        run = Path(cfg.run_dir)
+        # Absolute paths: the sandboxed server runs in another working directory.
+        run = Path(cfg.run_dir).resolve()
+
+        def given(value, default: Path) -> Path:
+            return Path(value).resolve() if value else default
         return cls(run_dir=run,
-                   prompts=Path(cfg.prompts) if cfg.prompts else run / "prompts" / "prompts.jsonl",
-                   traces=Path(cfg.traces) if cfg.traces else run / "traces" / "traces.jsonl",
-                   validation=Path(cfg.validation) if cfg.validation else run / "validation" / "validation.jsonl",
-                   checkpoint=Path(cfg.checkpoint) if cfg.checkpoint else run / "draft",
-                   model_dir=Path(cfg.model_dir) if cfg.model_dir else run / "model",
-                   out=Path(cfg.out) if cfg.out else run / "audit")
+                   prompts=given(cfg.prompts, run / "prompts" / "prompts.jsonl"),
+                   traces=given(cfg.traces, run / "traces" / "traces.jsonl"),
+                   validation=given(cfg.validation, run / "validation" / "validation.jsonl"),
+                   checkpoint=given(cfg.checkpoint, run / "draft"),
+                   model_dir=given(cfg.model_dir, run / "model"),
+                   out=given(cfg.out, run / "audit"))
 
 
 def _short(sha: Any) -> str:

@@ -47,11 +47,12 @@ class TrainConfig(StageConfig):
                                                      "in traces.summary.json, else the embedded default)")
     epochs: float = Field(3.0, gt=0, description="passes over the training traces")
     max_steps: Optional[int] = Field(None, description="stop after this many optimizer steps")
-    lr: float = Field(3e-4, gt=0, description="peak learning rate (AdamW)")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW)")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
-    warmup_steps: int = Field(20, ge=0, description="linear warm-up steps")
+    warmup_steps: int = Field(10, ge=0, description="linear warm-up steps")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    batch_tokens: int = Field(4096, gt=0, description="tokens per micro-batch (length-bucketed)")
+    batch_tokens: int = Field(1024, gt=0, description="tokens per micro-batch (length-bucketed; padded "
+                                                    "width x rows)")
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
     clip_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
     max_seq_len: int = Field(1024, gt=8, description="longer traces are cut from the left of the prompt")
@@ -65,7 +66,7 @@ class TrainConfig(StageConfig):
     heldout_traces: Optional[str] = Field(None, description="a separate greedy traces file to score instead "
                                                             "of the held-out fraction (e.g. eval prompts)")
     heldout_max: int = Field(64, ge=1, description="at most this many held-out traces are scored")
-    eval_every: int = Field(50, ge=1, description="evaluate every K optimizer steps")
+    eval_every: int = Field(25, ge=1, description="evaluate every K optimizer steps")
     num_draft: int = Field(16, ge=1, description="draft length for simulated acceptance")
     seed: int = Field(0, description="seed for data order and init")
     mixed_precision: Literal["auto", "no", "bf16"] = Field(

@@ -1,0 +1,289 @@
+"""`specdraft demo`: the whole pipeline on the embedded default, resumable, ending with a summary table.
+
+manifest -> prompts -> traces -> train -> pack -> validation -> serve -> eval (untrained init, trained draft
+over HTTP, prompt lookup) -> speculate -> selfcheck -> audit. Each stage records a marker with the config
+it ran with; a rerun skips stages whose marker matches (traces resume inside the stage as well).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional
+
+from pydantic import Field
+
+from .config import StageConfig
+from .models import DEFAULT_TARGET
+from .provenance import atomic_write_json, atomic_write_text, read_json, run_metadata, stage_log
+
+log = logging.getLogger("specdraft.demo")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much of the pipeline to run; `small` fits in 15 minutes on 2 CPU cores."""
+
+    trace_prompts: int
+    trace_tokens: int
+    draft_init: str  # truncate:{target}:LAYERS template
+    epochs: float
+    lr: float
+    freeze_layers: int
+    val_prompts: int
+    val_tokens: int
+    spec_prompts: int
+    spec_tokens: int
+    spec_k: list[int] = field(default_factory=lambda: [2, 4, 8, 16])
+
+
+# The draft keeps the target's first 6 and last 2 layers: measured (BENCHMARKS.md) to reach a lower loss
+# sooner than the first 8 layers, because the last layers already speak to the head.
+DRAFT_INIT = "truncate:{target}:0,1,2,3,4,5,28,29"
+
+BUDGETS: dict[str, Budget] = {
+    "small": Budget(trace_prompts=128, trace_tokens=64, draft_init=DRAFT_INIT, epochs=2, lr=1e-3,
+                    freeze_layers=0, val_prompts=16, val_tokens=64, spec_prompts=3, spec_tokens=48,
+                    spec_k=[4, 8, 16]),
+    "default": Budget(trace_prompts=480, trace_tokens=128, draft_init=DRAFT_INIT, epochs=3, lr=1e-3,
+                      freeze_layers=0, val_prompts=80, val_tokens=128, spec_prompts=8, spec_tokens=96),
+    "full": Budget(trace_prompts=2000, trace_tokens=128, draft_init=DRAFT_INIT, epochs=3, lr=1e-3,
+                   freeze_layers=0, val_prompts=80, val_tokens=192, spec_prompts=16, spec_tokens=128),
+}
+
+
+class DemoConfig(StageConfig):
+    out: str = Field("runs/demo", description="run directory (resumable: a rerun skips finished stages)")
+    budget: Literal["small", "default", "full"] = Field("small", description="how much to run (small < 15 min)")
+    target: str = Field(DEFAULT_TARGET, description="target model spec")
+    manifest: Optional[str] = Field(None, description="data manifest (default: configs/manifest.shared.json "
+                                                      "when ../shared is present, else the built-in one)")
+    eval_set: Optional[str] = Field(None, description="evaluation prompts (default: ../shared/data/dev/"
+                                                      "mt_bench.jsonl when present, else held-out templates)")
+    threads: Optional[int] = Field(None, description="torch CPU threads for the in-process stages")
+    audit: bool = Field(True, description="end with `specdraft audit`")
+
+
+# ------------------------------------------------------------------------------------------- stages
+
+def _stage(run_dir: Path, name: str, fingerprint: dict[str, Any], fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` unless a marker says it already ran with the same fingerprint."""
+    marker = run_dir / ".stages" / f"{name}.json"
+    if marker.is_file():
+        saved = read_json(marker)
+        if saved.get("fingerprint") == json.loads(json.dumps(fingerprint, default=str)):
+            log.info("demo: %s done earlier, skipped", name)
+            return saved.get("result")
+    log.info("demo: %s ...", name)
+    started = time.time()
+    result = fn()
+    atomic_write_json(marker, {"fingerprint": fingerprint, "result": result,
+                               "seconds": round(time.time() - started, 1)})
+    log.info("demo: %s finished in %.1fs", name, time.time() - started)
+    return result
+
+
+def _default_manifest() -> str | None:
+    shared = REPO_ROOT / "configs" / "manifest.shared.json"
+    return str(shared) if SHARED_DATA.is_dir() and shared.is_file() else None
+
+
+def _default_eval_set(run_dir: Path) -> tuple[str, str]:
+    mt_bench = SHARED_DATA / "dev" / "mt_bench.jsonl"
+    if mt_bench.is_file():
+        return str(mt_bench), "mt_bench"
+    # Without ../shared: a held-out slice of the built-in templates (seed differs from training's).
+    from .data import PromptsConfig, build_prompts
+    out = run_dir / "heldout_templates" / "prompts.jsonl"
+    if not out.is_file():
+        build_prompts(PromptsConfig(out=str(out), seed=12345))
+    return str(out), "templates_heldout"
+
+
+def run_demo(cfg: DemoConfig) -> int:
+    import torch
+
+    run_dir = Path(cfg.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    budget = BUDGETS[cfg.budget]
+    started = time.time()
+    with stage_log(run_dir / "demo.log"):
+        summary = _pipeline(cfg, budget, run_dir)
+        summary["wall_seconds"] = round(time.time() - started, 1)
+        summary.update(run_metadata())
+        atomic_write_json(run_dir / "demo_summary.json", summary)
+        table = summary_markdown(summary)
+        atomic_write_text(run_dir / "demo_summary.md", table)
+        print(table)
+    return 0 if summary.get("audit_exit", 0) == 0 and summary.get("selfcheck_exit", 0) == 0 else 1
+
+
+def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
+    from .data import PromptsConfig, build_prompts
+    from .evaluate import EvalConfig, run_eval
+    from .pack import PackConfig, run_pack
+    from .selfcheck import SelfcheckConfig, ServerProcess, run_selfcheck
+    from .speculate import SpeculateConfig, run_speculate
+    from .traces import TracesConfig, ValidationConfig, run_traces, run_validation
+    from .train import TrainConfig, build_init, run_train
+
+    eval_set, eval_kind = (cfg.eval_set, "given") if cfg.eval_set else _default_eval_set(run_dir)
+    manifest = cfg.manifest or _default_manifest()
+
+    prompts_cfg = PromptsConfig(manifest=manifest, out=str(run_dir / "prompts" / "prompts.jsonl"),
+                                tokenizer=cfg.target, eval_set=[eval_set])
+    _stage(run_dir, "prompts", prompts_cfg.to_json_dict(),
+           lambda: {"total": build_prompts(prompts_cfg).total})
+
+    traces_cfg = TracesConfig(target=cfg.target, prompts=run_dir / "prompts" / "prompts.jsonl",
+                              out=run_dir / "traces" / "traces.jsonl", max_new_tokens=budget.trace_tokens,
+                              limit=budget.trace_prompts)
+    _stage(run_dir, "traces", traces_cfg.to_json_dict(), lambda: {"rows": run_traces(traces_cfg).rows})
+
+    val_cfg = ValidationConfig(target=cfg.target, prompts=Path(eval_set),
+                               out=run_dir / "validation" / "validation.jsonl",
+                               max_new_tokens=budget.val_tokens, limit=budget.val_prompts)
+    _stage(run_dir, "validation", val_cfg.to_json_dict(), lambda: {"rows": run_validation(val_cfg).rows})
+
+    init_spec = budget.draft_init.format(target=cfg.target)
+    train_cfg = TrainConfig(traces=str(run_dir / "traces" / "traces.jsonl"), init=init_spec,
+                            out=str(run_dir / "draft"), target=cfg.target, epochs=budget.epochs, lr=budget.lr,
+                            freeze_layers=budget.freeze_layers, threads=cfg.threads)
+    _stage(run_dir, "train", train_cfg.to_json_dict(), lambda: _train_result(run_train(train_cfg)))
+
+    def save_init():
+        model, tokenizer, source = build_init(init_spec)
+        model.save_pretrained(run_dir / "init", safe_serialization=True)
+        tokenizer.save_pretrained(run_dir / "init")
+        atomic_write_json(run_dir / "init" / "init_source.json", source)
+        return {"init": init_spec}
+    _stage(run_dir, "init", {"init": init_spec}, save_init)
+
+    pack_cfg = PackConfig(checkpoint=str(run_dir / "draft"), out=str(run_dir / "model"), overwrite=True)
+    _stage(run_dir, "pack", pack_cfg.to_json_dict(), lambda: {"bytes": _pack_bytes(run_pack(pack_cfg))})
+
+    validation = run_dir / "validation" / "validation.jsonl"
+    reports: dict[str, dict] = {}
+    for name, kwargs in (("init", {"model_dir": run_dir / "init"}), ("lookup", {"lookup": True})):
+        ecfg = EvalConfig(validation=validation, out=run_dir / "eval" / name, **kwargs)
+        _stage(run_dir, f"eval_{name}", ecfg.to_json_dict(), lambda ecfg=ecfg: run_eval(ecfg))
+        reports[name] = read_json(run_dir / "eval" / name / "report.json")
+
+    # The trained draft is measured the way it ships: packed, behind the HTTP server.
+    def eval_served():
+        server = ServerProcess(run_dir / "model", run_dir / "eval" / "served_server.log",
+                               ["--threads", str(cfg.threads)] if cfg.threads else None)
+        try:
+            ok, detail = server.wait_ready(300)
+            if not ok:
+                raise RuntimeError(f"draft server did not start: {detail}")
+            ecfg = EvalConfig(validation=validation, server=server.url, out=run_dir / "eval" / "trained")
+            return run_eval(ecfg)
+        finally:
+            server.stop()
+    _stage(run_dir, "eval_trained", {"model": str(run_dir / "model"), "validation": str(validation),
+                                     "train": train_cfg.to_json_dict()}, eval_served)
+    reports["trained"] = read_json(run_dir / "eval" / "trained" / "report.json")
+
+    spec_cfg = SpeculateConfig(target=cfg.target, draft=str(run_dir / "model"), prompts=Path(eval_set),
+                               out=run_dir / "speculate", max_new_tokens=budget.spec_tokens, k=budget.spec_k,
+                               num_prompts=budget.spec_prompts, threads=cfg.threads,
+                               # CPU time is steady on a shared machine when one thread runs the models
+                               clock="cpu" if cfg.threads == 1 else "wall")
+    _stage(run_dir, "speculate", {**spec_cfg.to_json_dict(), "train": train_cfg.to_json_dict()},
+           lambda: run_speculate(spec_cfg))
+    speculate = read_json(run_dir / "speculate" / "speculate.json")
+
+    sc_cfg = SelfcheckConfig(model_dir=run_dir / "model", out=run_dir / "selfcheck", threads=cfg.threads)
+    selfcheck_exit = run_selfcheck(sc_cfg)  # always rerun: it checks the files as they are now
+
+    audit_exit = None
+    if cfg.audit:
+        from .audit import AuditConfig, run_audit
+        audit_exit = run_audit(AuditConfig(run_dir=str(run_dir)))
+
+    arch = read_json(run_dir / "model" / "architecture.json")
+    return {
+        "budget": cfg.budget,
+        "target": cfg.target,
+        "eval_set": {"path": eval_set, "kind": eval_kind},
+        "draft_init": init_spec,
+        "acceptance": {name: _acceptance(r) for name, r in reports.items()},
+        "draft_latency": reports["trained"].get("latency"),
+        "speculate": _speculate_summary(speculate),
+        "pack": {"bytes": _arch_bytes(arch), "parameters": arch.get("parameter_count") or arch.get("parameters")},
+        "selfcheck_exit": selfcheck_exit,
+        "audit_exit": audit_exit,
+    }
+
+
+def _train_result(meta: dict) -> dict:
+    return {"best": meta.get("best"), "steps": meta.get("steps")}
+
+
+def _pack_bytes(result) -> Any:
+    return getattr(result, "nbytes", None) or getattr(result, "bytes", None)
+
+
+def _arch_bytes(arch: dict) -> Any:
+    for key in ("bytes", "byte_count", "weight_bytes", "file_bytes"):
+        if key in arch:
+            return arch[key]
+    return None
+
+
+def _acceptance(report: dict) -> dict:
+    keys = ("mean_accepted_pooled", "mean_accepted_per_prompt", "points")
+    source = report.get("acceptance", report)
+    return {k: source.get(k) for k in keys}
+
+
+def _speculate_summary(spec: dict) -> dict:
+    out = {"baseline_tokens_per_s": spec.get("baseline", {}).get("tokens_per_s")}
+    for name, drafter in spec.get("drafters", {}).items():
+        best = str(drafter.get("best_k"))
+        out[name] = {"best_k": drafter.get("best_k"), "tokens_per_s": drafter.get("best_tokens_per_s"),
+                     "speedup": drafter.get("best_speedup"),
+                     "accepted_per_step": drafter.get("per_k", {}).get(best, {}).get("accepted_per_step")}
+    return out
+
+
+def summary_markdown(summary: dict) -> str:
+    acc = summary["acceptance"]
+    lines = [f"# specdraft demo ({summary['budget']}) — target {summary['target']}", "",
+             f"Evaluation set: {summary['eval_set']['path']} ({summary['eval_set']['kind']})", "",
+             "| drafter | mean accepted of 16 (pooled over points) | per-prompt mean | points |",
+             "|---|---|---|---|"]
+    labels = {"init": f"untrained init ({summary['draft_init']})", "trained": "trained draft (packed, HTTP)",
+              "lookup": "prompt lookup (model-free)"}
+    for name in ("init", "trained", "lookup"):
+        a = acc.get(name, {})
+        lines.append(f"| {labels[name]} | {_fmt(a.get('mean_accepted_pooled'))} | "
+                     f"{_fmt(a.get('mean_accepted_per_prompt'))} | {a.get('points')} |")
+    latency = summary.get("draft_latency") or {}
+    lines += ["", f"Draft latency, one 16-token draft over HTTP (eval clients, 8 concurrent): p50 {_fmt(latency.get('p50_ms'))} ms, "
+                  f"p99 {_fmt(latency.get('p99_ms'))} ms",
+              "", "| speculative decoding | best k | tokens/s | speedup vs plain greedy | accepted per step |",
+              "|---|---|---|---|---|",
+              f"| plain greedy (same loop) | – | {_fmt(summary['speculate'].get('baseline_tokens_per_s'))} | 1.000 | – |"]
+    for name, row in summary["speculate"].items():
+        if isinstance(row, dict):
+            lines.append(f"| {name} | {row['best_k']} | {_fmt(row['tokens_per_s'])} | {_fmt(row['speedup'])} | "
+                         f"{_fmt(row['accepted_per_step'])} |")
+    lines += ["", f"Pack: {summary['pack']['bytes']} bytes, {summary['pack']['parameters']} parameters",
+              f"Selfcheck exit {summary['selfcheck_exit']}, audit exit {summary['audit_exit']}",
+              f"Wall time: {summary.get('wall_seconds')} s"]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(x) -> str:
+    return f"{x:.3f}" if isinstance(x, (int, float)) else str(x)

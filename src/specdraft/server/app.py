@@ -1,0 +1,431 @@
+"""The HTTP layer: FastAPI app, edge checks, and `specdraft serve` (uvicorn on a pre-bound socket).
+
+Handlers only validate, enqueue and await (LitServe's split): the model runs in the batcher's worker
+thread, so the event loop never waits on torch. Every error is JSON ``{"error", "message", "details":
+[{"field", "reason"}]}``; bad input is always a 4xx and never reaches the queue.
+"""
+
+# No `from __future__ import annotations` here: FastAPI must see the per-app DraftRequest class itself.
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .batcher import BatchFailedError, Batcher, BatcherClosedError, QueueFullError
+from .config import ServeConfig
+from .metrics import ServerMetrics
+from .schema import DraftResponse, ErrorDetail, ErrorResponse, Health, draft_request_model, validation_details
+
+log = logging.getLogger("specdraft.server")
+
+JSON_ROUTES = {("POST", "/draft")}
+RETRY_AFTER_S = 1
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, error: str, message: str, details: list[ErrorDetail] | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.error, self.message = status, error, message
+        self.details, self.headers = details or [], headers
+
+
+def error_response(status: int, error: str, message: str, details: list[ErrorDetail] | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = ErrorResponse(error=error, message=message, details=details or []).model_dump()
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+# ------------------------------------------------------------------------------------------------ state
+
+class ServerState:
+    """What the handlers share: the engine and batcher once loaded, the status, the metrics."""
+
+    def __init__(self, config: ServeConfig, metrics: ServerMetrics):
+        self.config, self.metrics = config, metrics
+        self.engine: Any = None
+        self.batcher: Batcher | None = None
+        self.status = "loading"
+        self.error: str | None = None
+
+    def start(self, engine: Any) -> None:
+        cfg = self.config
+        self.batcher = Batcher(engine.draft, max_batch_size=cfg.max_batch_size, max_wait_s=cfg.max_wait_ms / 1000,
+                               max_queue=cfg.max_queue, max_batch_tokens=cfg.max_batch_tokens,
+                               observer=self.metrics).start()
+        self.engine = engine
+        self.status = "ok"
+        self.metrics.ready.set(1)
+
+    def stop(self, timeout: float | None) -> None:
+        self.status = "stopping"
+        self.metrics.ready.set(0)
+        if self.batcher is not None:
+            self.batcher.close(drain=True, timeout=timeout)
+            log.info("batcher drained and stopped after %d batches", self.batcher.batches)
+
+
+def resolve_limits(config: ServeConfig, vocab_size: int, max_positions: int | None) -> int:
+    """The longest context a request may send: --max-context, at most the model's positions - num_draft."""
+    room = None if max_positions is None else max_positions - config.num_draft
+    if room is not None and room < 1:
+        raise ValueError(f"the model has {max_positions} positions: no room for num_draft={config.num_draft}")
+    if config.max_context is None:
+        if room is None:
+            raise ValueError("the model config has no max_position_embeddings: give --max-context")
+        return room
+    if room is not None and config.max_context > room:
+        raise ValueError(f"max_context {config.max_context} + num_draft {config.num_draft} exceeds the model's "
+                         f"{max_positions} positions (at most {room})")
+    return config.max_context
+
+
+def _model_facts(config: ServeConfig) -> tuple[int, int | None]:
+    """vocab size and positions from config.json, without loading weights (for the request schema)."""
+    from transformers import AutoConfig
+
+    from .engine import ModelLoadError
+    try:
+        cfg = AutoConfig.from_pretrained(config.model_dir)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{config.model_dir}: cannot read the model config ({e})") from e
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return int(text.vocab_size), getattr(text, "max_position_embeddings", None)
+
+
+# -------------------------------------------------------------------------------------------------- app
+
+def create_app(config: ServeConfig, engine: Any = None,
+               on_load_failed: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The ASGI app. With ``engine`` (anything with ``draft(contexts, n)``, ``name``, ``vocab_size``,
+    ``max_positions``, ``compute``) it serves at once; without, a thread loads the weights at start-up
+    and ``/health`` says 503 until they are in."""
+    if engine is not None:
+        vocab_size, max_positions = engine.vocab_size, engine.max_positions
+    else:
+        vocab_size, max_positions = _model_facts(config)
+    max_context = resolve_limits(config, vocab_size, max_positions)
+    DraftRequest = draft_request_model(vocab_size, max_context, config.num_draft)
+    metrics = ServerMetrics()
+    state = ServerState(config, metrics)
+
+    def load() -> None:
+        from .engine import load_engine
+        try:
+            loaded = load_engine(config.model_dir, config.weights, config.compute, config.model_name,
+                                 config.dense_prefill)
+            if loaded.vocab_size != vocab_size:
+                raise ValueError(f"loaded vocab {loaded.vocab_size} != config.json vocab {vocab_size}")
+            state.start(loaded)
+        except BaseException as e:
+            state.status, state.error = "failed", f"{type(e).__name__}: {e}"
+            log.error("could not load the draft: %s", state.error)
+            if on_load_failed is not None:
+                on_load_failed(e)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if engine is not None:
+            state.start(engine)
+        else:
+            threading.Thread(target=load, name="specdraft-loader", daemon=True).start()
+        yield
+        await asyncio.to_thread(state.stop, config.request_timeout_s)
+
+    app = FastAPI(title="specdraft draft server", version=_version(), lifespan=lifespan,
+                  docs_url=None, redoc_url=None,
+                  description="Greedy drafts from a small model for speculative decoding.")
+    app.state.server = state
+    app.state.max_context = max_context
+    error_responses: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorResponse, "description": text} for code, text in (
+            (400, "malformed JSON"), (413, "body too large"), (415, "body is not application/json"),
+            (422, "a field is invalid (named in details)"),
+            (500, "the model failed on this request's batch"),
+            (503, "not loaded yet, queue full, shutting down or timed out (Retry-After)"))}
+
+    @app.post("/draft", response_model=DraftResponse, responses=error_responses,
+              summary="the draft model's next num_tokens greedy tokens after token_ids")
+    async def draft(request: DraftRequest) -> Any:  # type: ignore[valid-type]
+        batcher = state.batcher
+        if state.status != "ok" or batcher is None:
+            raise ApiError(503, "not_ready", f"the draft is not being served (status: {state.status})",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        try:
+            future = batcher.submit(request.token_ids, request.num_tokens)
+        except QueueFullError as e:
+            raise ApiError(503, "queue_full", str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except BatcherClosedError as e:
+            raise ApiError(503, "shutting_down", str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        try:
+            ids = await asyncio.wait_for(asyncio.wrap_future(future), config.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(503, "timeout", f"no draft within {config.request_timeout_s}s",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except BatcherClosedError as e:
+            raise ApiError(503, "shutting_down", str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except BatchFailedError as e:
+            raise ApiError(500, "draft_failed", f"the model failed on this batch: {e}") from None
+        return JSONResponse({"draft_ids": ids, "model": state.engine.name})
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "not ready"}})
+    async def health() -> Any:
+        body = Health(status=state.status, model=getattr(state.engine, "name", None),
+                      compute=getattr(state.engine, "compute", None), detail=state.error)
+        ok = state.status == "ok" and state.batcher is not None and state.batcher.running
+        return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
+    async def metrics_endpoint() -> Response:
+        if state.batcher is not None:
+            metrics.queue_depth.set(state.batcher.queue_depth())
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    _integral_schema_bounds(app)
+    _install_error_handlers(app)
+    app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_body_bytes)
+    return app
+
+
+def _integral_schema_bounds(app: FastAPI) -> None:
+    """FastAPI's OpenAPI model writes integer bounds as floats (maximum: 319.0); write them as integers."""
+    original = app.openapi
+
+    def fix(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") and \
+                        isinstance(value, float) and value.is_integer():
+                    node[key] = int(value)
+                else:
+                    fix(value)
+        elif isinstance(node, list):
+            for item in node:
+                fix(item)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            fix(original())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.error, exc.message, exc.details, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = list(exc.errors())
+        bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
+        if bad_json is not None:
+            reason = f"{(bad_json.get('ctx') or {}).get('error', 'invalid JSON')} at character {bad_json['loc'][-1]}"
+            return error_response(400, "malformed_json", f"the body is not valid JSON: {reason}",
+                                  [ErrorDetail(field="body", reason=reason)])
+        details = validation_details(errors)
+        summary = "; ".join(f"{d.field}: {d.reason}" for d in details[:3])
+        return error_response(422, "validation_error", f"invalid request: {summary}", details)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        names = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+        detail = str(exc.detail)
+        return error_response(exc.status_code, names.get(exc.status_code, "http_error"), detail,
+                              [ErrorDetail(field="body" if exc.status_code in (400, 413) else "path", reason=detail)],
+                              getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+
+# ------------------------------------------------------------------------------------------- middleware
+
+class EdgeMiddleware:
+    """Pure ASGI: count responses by route and status; for JSON routes check the content type and cap the
+    body size (Content-Length or streamed) before any parsing."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics, max_body_bytes: int):
+        self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        status_seen: list[int] = []
+
+        async def send_counting(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status_seen.append(message["status"])
+            await send(message)
+
+        try:
+            if (scope.get("method"), path) in JSON_ROUTES:
+                rejection, receive = await self._check_body(scope, receive)
+                if rejection is not None:
+                    await rejection(scope, receive, send_counting)
+                    return
+            await self.app(scope, receive, send_counting)
+        finally:
+            self.metrics.request_done(path, status_seen[0] if status_seen else 500)
+
+    async def _check_body(self, scope: dict, receive: Callable) -> tuple[Response | None, Callable]:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        ctype = headers.get("content-type")
+        if not _is_json(ctype):
+            got = f"got {ctype!r}" if ctype else "the header is missing"
+            return error_response(415, "unsupported_media_type", f"the body must be application/json ({got})",
+                                  [ErrorDetail(field="headers.content-type",
+                                               reason=f"expected application/json, {got}")]), receive
+        limit = self.max_body_bytes
+        too_large = error_response(413, "body_too_large", f"the body exceeds {limit} bytes",
+                                   [ErrorDetail(field="body", reason=f"larger than the {limit}-byte limit")])
+        length = headers.get("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > limit:
+            return too_large, receive
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # client went away
+                return Response(status_code=400), receive
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return too_large, receive
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return None, replay
+
+
+def _is_json(content_type: str | None) -> bool:
+    if not content_type:
+        return False
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__
+
+
+# ---------------------------------------------------------------------------------------------- serving
+
+class _Server:
+    """uvicorn.Server that logs the real bound address once it listens (port 0 included), and ends a
+    SIGINT/SIGTERM shutdown normally (uvicorn re-raises the signal after draining, so the process would die
+    of it; here the drained server returns and `serve` exits 0)."""
+
+    def __new__(cls, config: Any, on_started: Callable[[], None]):
+        import signal
+
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+                await super().startup(sockets=sockets)
+                if self.started:
+                    on_started()
+
+            @contextmanager
+            def capture_signals(self):
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                signals = (signal.SIGINT, signal.SIGTERM)
+                original = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+                try:
+                    yield
+                finally:
+                    for sig, handler in original.items():
+                        signal.signal(sig, handler)
+
+            def _on_signal(self, sig: int, frame: Any) -> None:
+                if not self.should_exit:
+                    log.info("%s: stopping (in-flight and queued requests are answered first)",
+                             signal.Signals(sig).name)
+                self.handle_exit(sig, frame)
+
+        return Server(config)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot bind {host}:{port}: {e.strerror or e}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def make_server(config: ServeConfig, app: FastAPI, sock: socket.socket, on_started: Callable[[], None]):
+    import uvicorn
+
+    uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                               timeout_graceful_shutdown=max(1, int(config.request_timeout_s) + 5),
+                               backlog=max(2048, config.max_queue))
+    return _Server(uv_config, on_started)
+
+
+def run_server(config: ServeConfig) -> int:
+    """`specdraft serve`: bind, start loading the weights, serve until SIGINT/SIGTERM; drain on the way out."""
+    import torch
+
+    threads = config.threads or max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
+    log.info("torch threads: %d", threads)
+    server_box: list[Any] = []
+
+    def load_failed(_: BaseException) -> None:
+        if server_box:
+            server_box[0].should_exit = True
+
+    app = create_app(config, on_load_failed=load_failed)
+    sock = bind_socket(config.host, config.port)
+    url = url_of(sock)
+    server = make_server(config, app, sock, lambda: log.info("listening on %s", url))
+    server_box.append(server)
+    if app.state.server.status == "failed":  # failed before the server existed
+        server.should_exit = True
+    started = time.time()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    state: ServerState = app.state.server
+    log.info("server stopped after %.1fs", time.time() - started)
+    return 1 if state.error else 0

@@ -1,0 +1,43 @@
+"""``ServeConfig``: every setting of `specdraft serve`, defined once (the CLI is built from it)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ..config import StageConfig
+
+
+class ServeConfig(StageConfig):
+    model_dir: str = Field(description="draft model dir: a packed dir (config.json + draft.qd4) or a plain HF dir")
+    weights: str | None = Field(
+        None, description="QD04 weight file, read by the strict QD04 loader (default: MODEL_DIR/draft.qd4 when "
+                          "present; from_pretrained on MODEL_DIR only when there is no weight file)")
+    host: str = Field("127.0.0.1", description="address to bind (loopback by default)")
+    port: int = Field(8000, ge=0, le=65535,
+                      description="TCP port; 0 picks a free one (the log line 'listening on http://HOST:PORT' names it)")
+    max_batch_size: int = Field(32, ge=1, le=1024, description="most requests in one model step")
+    max_wait_ms: float = Field(2.0, ge=0, le=10_000,
+                               description="how long the worker waits for more requests after the first one")
+    num_draft: int = Field(16, ge=1, le=64, description="default and largest num_tokens of a request")
+    max_context: int | None = Field(
+        None, ge=1, description="longest token_ids accepted (default and upper bound: the model's positions "
+                                "minus num_draft)")
+    threads: int | None = Field(None, ge=1, le=256, description="torch intra-op threads (default: CPUs - 1, leaving one core to "
+                                             "the HTTP side; at least 1)")
+    compute: Literal["float32", "bfloat16", "int4"] = Field(
+        "int4", description="format of the linear layers: float32, bfloat16 weights, or the QD04 4-bit codes run "
+                            "by torch's CPU int4 kernel (measured fastest at batch 1; BENCHMARKS.md)")
+    dense_prefill: bool = Field(
+        True, description="with compute=int4, run the prefill of the contexts as a dense bf16 matmul (a bf16 "
+                          "copy of the layer weights, ~2.3x faster than the int4 kernel at many rows); decode "
+                          "steps stay on the 4-bit codes")
+    max_queue: int = Field(256, ge=1, le=1_000_000,
+                           description="requests that may wait for the worker; beyond it: 503 + Retry-After")
+    max_body_bytes: int = Field(1 << 20, ge=256, description="largest request body accepted (413 beyond)")
+    request_timeout_s: float = Field(30.0, gt=0, description="a request not answered by then gets 503")
+    max_batch_tokens: int = Field(
+        1 << 15, ge=1, description="padded tokens (rows x (longest context + n)) per model step; a larger "
+                                   "batch is split into length-sorted steps")
+    model_name: str | None = Field(None, description="name returned in responses (default: the model dir's name)")
