@@ -49,7 +49,7 @@ class Budget:
 DRAFT_INIT = "truncate:{target}:0,1,2,3,4,5,28,29"
 
 BUDGETS: dict[str, Budget] = {
-    "small": Budget(trace_prompts=128, trace_tokens=64, draft_init=DRAFT_INIT, epochs=2, lr=1e-3,
+    "small": Budget(trace_prompts=96, trace_tokens=64, draft_init=DRAFT_INIT, epochs=2, lr=1e-3,
                     freeze_layers=0, val_prompts=16, val_tokens=64, spec_prompts=3, spec_tokens=48,
                     spec_k=[4, 8, 16]),
     "default": Budget(trace_prompts=480, trace_tokens=128, draft_init=DRAFT_INIT, epochs=3, lr=1e-3,
