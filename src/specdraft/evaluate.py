@@ -397,10 +397,11 @@ def run_eval(config: EvalConfig) -> int:
                     if max(p.context_ids) >= vocab:
                         raise ValidationFileError(f"{config.validation}: point {p.id!r} (offset {p.offset}) has "
                                                   f"token id {max(p.context_ids)} >= draft vocab size {vocab}")
-                torch.set_grad_enabled(False)
-            report = evaluate_drafter(drafter, points, config.k,
-                                      batch_size=(4 * config.concurrency if config.server else config.batch_size),
-                                      progress=True)
+            with torch.inference_mode():  # scoped: a library must not switch autograd off globally
+                report = evaluate_drafter(drafter, points, config.k,
+                                          batch_size=(4 * config.concurrency if config.server
+                                                      else config.batch_size),
+                                          progress=True)
         finally:
             if hasattr(drafter, "close"):
                 drafter.close()

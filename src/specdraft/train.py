@@ -285,7 +285,7 @@ def run_train(cfg: TrainConfig) -> dict:
     accelerator = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=cfg.grad_accum)
     set_seed(cfg.seed)
 
-    with stage_log(out / "train.log"):
+    with stage_log(out / "train.log"), torch.enable_grad():
         traces_path = Path(cfg.traces)
         summary_path = traces_path.with_name("traces.summary.json")
         summary = read_json(summary_path) if summary_path.is_file() else {}
