@@ -9,8 +9,9 @@ including the EOS). Wall time and process CPU time are both reported: on a share
 CPU-second (with --threads 1) is the steadier figure.
 Batch-1 latency per token is measured for both (EOS ignored, so every run has the same length).
 
-    python bench/bench_traces.py                          # the defaults are what BENCHMARKS.md reports
-    python bench/bench_traces.py --num-prompts 48 --batch-sizes 8,16 --max-new-tokens 64   # a quick look
+    python bench/bench_traces.py                  # the defaults: what BENCHMARKS.md reports (~10 min on 2 cores)
+    python bench/bench_traces.py --num-prompts 200 --threads 1    # the longer run, also in BENCHMARKS.md
+    python bench/bench_traces.py --num-prompts 24 --batch-sizes 16 --generate-batch-sizes 8 --max-new-tokens 32
 
 Prompts: ``--prompts prompts.jsonl`` (first N), else a seeded mix of the training files in
 ../shared/data/train (UltraChat, ShareGPT first turns, Code Alpaca, GSM8K, InstructionWild, GPTeacher
@@ -202,7 +203,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", type=Path, default=None, help="prompts.jsonl to take the first N prompts from")
-    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="mix only: skip longer templated prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", default="16,32,64", help="ours: comma-separated batch sizes")

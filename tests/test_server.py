@@ -277,6 +277,13 @@ def test_int4_prefill_runs_dense_bf16_and_decode_runs_the_codes(packed_dir):
     assert all(m.phase is None and not hasattr(m, "dense") for m in off.model.modules() if isinstance(m, Int4Linear))
 
 
+def test_prefill_row_buckets_are_few_and_cap_padding_at_25_percent():
+    from specdraft.server.engine import bucket_rows
+    sizes = {bucket_rows(m) for m in range(1, 8193)}
+    assert len(sizes) <= 50
+    assert all(m <= bucket_rows(m) <= 1.25 * m for m in range(1, 8193))
+
+
 def test_prefill_is_told_from_a_decode_step_by_positions():
     from specdraft.server.engine import is_prefill
     assert is_prefill({"position_ids": torch.tensor([[0, 1, 2], [0, 0, 1]])})
@@ -658,14 +665,15 @@ def test_failed_load_reports_failed_health(tmp_path, packed_dir):
 
 
 def test_graceful_shutdown_answers_requests_in_flight():
-    engine = FakeEngine(delay=0.3)
+    engine = FakeEngine(delay=1.0)
     cfg = fake_config(max_batch_size=2, max_wait_ms=0)
     srv = ThreadServer(create_app(cfg, engine), cfg).__enter__()
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [i]}, timeout=30)
                    for i in range(4)]
-        deadline = time.time() + 10
-        while not engine.calls:
+        # In flight = accepted by the server: two in the model step, two waiting in the queue.
+        deadline = time.time() + 60
+        while not (engine.calls and metric_samples(srv.url)[("specdraft_queue_depth", ())] >= 2):
             assert time.time() < deadline
             time.sleep(0.01)
         srv.__exit__(None, None, None)  # SIGTERM's path: stop accepting, finish in-flight, drain
@@ -690,3 +698,9 @@ def test_int4_keeps_an_embedding_stored_raw_in_bf16(tiny_qwen3_dir, tmp_path):
     engine = load_engine(out, None, "int4")
     assert engine.load_info["bf16_fallback"] == ["lm_head"] and isinstance(engine.model.lm_head, BF16Linear)
     assert engine.load_info["from_codes"] == 14 and engine.load_info["quantised_at_load"] == 0
+
+
+def test_serve_refuses_a_dir_without_a_model(tmp_path, caplog):
+    from specdraft.cli import main
+    assert main(["serve", "--model-dir", str(tmp_path), "--port", "0"]) == 2
+    assert "not a model dir" in caplog.text

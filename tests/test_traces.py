@@ -1,6 +1,6 @@
 import json
 import logging
-import os
+import shutil
 import subprocess
 import sys
 import time
@@ -107,6 +107,18 @@ def test_traces_rows_equal_single_row_greedy(tiny, tmp_path):
     assert summary["chat_template"] is True and summary["this_run"]["completion_tokens_per_s"] > 0
     assert summary["traces_sha256"] == __import__("hashlib").sha256(out.read_bytes()).hexdigest()
     assert (tmp_path / "run" / "traces.log").read_text().count("decoded 7 prompts") == 1
+
+
+def test_traces_without_chat_template_use_raw_prompts(tiny, tmp_path, caplog):
+    raw_dir = tmp_path / "raw_model"
+    shutil.copytree(tiny[0], raw_dir)
+    (raw_dir / "chat_template.jinja").unlink()
+    prompts = _write_prompts(tmp_path / "prompts.jsonl", 2)
+    with caplog.at_level(logging.WARNING, logger="specdraft"):
+        res = run_traces(TracesConfig(target=str(raw_dir), prompts=prompts, out=tmp_path / "t.jsonl",
+                                      max_new_tokens=2))
+    assert "no chat template" in caplog.text and res.summary_data["chat_template"] is False
+    assert _rows(tmp_path / "t.jsonl")[0]["prompt_ids"] == tiny[2](TEXTS[0]).input_ids
 
 
 def test_traces_resume_after_torn_line(tiny, tmp_path, caplog):

@@ -94,7 +94,11 @@ def _model_facts(config: ServeConfig) -> tuple[int, int | None]:
     """vocab size and positions from config.json, without loading weights (for the request schema)."""
     from transformers import AutoConfig
 
+    from pathlib import Path
+
     from .engine import ModelLoadError
+    if not (Path(config.model_dir) / "config.json").is_file():
+        raise ModelLoadError(f"{config.model_dir}: not a model dir (no config.json)")
     try:
         cfg = AutoConfig.from_pretrained(config.model_dir)
     except (OSError, ValueError) as e:
@@ -414,13 +418,15 @@ def run_server(config: ServeConfig) -> int:
         if server_box:
             server_box[0].should_exit = True
 
-    app = create_app(config, on_load_failed=load_failed)
-    sock = bind_socket(config.host, config.port)
+    try:
+        app = create_app(config, on_load_failed=load_failed)
+        sock = bind_socket(config.host, config.port)
+    except (ValueError, OSError) as e:  # unreadable model dir, impossible limits, port taken
+        log.error("cannot serve: %s", e)
+        return 2
     url = url_of(sock)
     server = make_server(config, app, sock, lambda: log.info("listening on %s", url))
     server_box.append(server)
-    if app.state.server.status == "failed":  # failed before the server existed
-        server.should_exit = True
     started = time.time()
     try:
         server.run(sockets=[sock])

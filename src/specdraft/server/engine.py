@@ -104,6 +104,8 @@ class Int4Linear(nn.Module):
     dequantised weights instead: the int4 kernel is built for few rows and is ~2.3x slower than a bf16
     GEMM at hundreds of rows, while decode steps (one row per sequence) stay on the 4-bit codes. Both
     kernels compute each row independently of the others, so a row gets the same result alone or batched.
+    The prefill rows are padded up to ``bucket_rows(M)``: the bf16 GEMM keeps per-shape state, and with a
+    new M for every batch the server's memory would grow with the number of shapes it has seen.
     """
 
     def __init__(self, q: qd4.QuantizedTensor, bias: torch.Tensor | None = None, rescore_top_k: int = 0,
@@ -132,7 +134,9 @@ class Int4Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if self.phase is not None and self.phase.prefill:
-            y = nn.functional.linear(x2.to(torch.bfloat16), self.dense).to(x.dtype)  # [M, N]
+            m = x2.shape[0]
+            xp = nn.functional.pad(x2, (0, 0, 0, bucket_rows(m) - m)).to(torch.bfloat16)  # [M', K]
+            y = nn.functional.linear(xp, self.dense)[:m].to(x.dtype)  # [M, N]
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group_size,
                                                            self.scales_and_zeros).to(x.dtype)  # [M, N]
@@ -153,6 +157,14 @@ class Int4Linear(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes the kernel reads per call: packed codes + the bf16 (scale, zero) pairs."""
         return self.packed.numel() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+
+
+def bucket_rows(m: int) -> int:
+    """m rounded up to one of four sizes per power of two (at most 25% padding): few distinct shapes."""
+    if m <= 8:
+        return m
+    step = 1 << (m.bit_length() - 3)  # m in [4 * step, 8 * step)
+    return -(-m // step) * step
 
 
 def int4_unsupported(shape: tuple[int, int], group_size: int) -> str | None:
