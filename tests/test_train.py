@@ -116,7 +116,6 @@ def test_resume_after_interruption_matches_uninterrupted_run(tiny_traces, tiny_t
     # "Kill" after step 4: run with the same config but stop early by truncating total steps.
     import specdraft.train as train_mod
     original = train_mod.lr_at
-    calls = {"n": 0}
 
     class Killed(Exception):
         pass

@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 from pydantic import Field, field_validator
 
