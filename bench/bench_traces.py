@@ -9,8 +9,9 @@ including the EOS). Wall time and process CPU time are both reported: on a share
 CPU-second (with --threads 1) is the steadier figure.
 Batch-1 latency per token is measured for both (EOS ignored, so every run has the same length).
 
-    python bench/bench_traces.py                  # the defaults: what BENCHMARKS.md reports (~10 min on 2 cores)
-    python bench/bench_traces.py --num-prompts 200 --threads 1    # the longer run, also in BENCHMARKS.md
+    python bench/bench_traces.py      # the defaults: what BENCHMARKS.md reports (about 10 minutes, 1 thread)
+    python bench/bench_traces.py --num-prompts 200 --batch-sizes 16,32,64 --generate-batch-sizes 8,16,32 \
+        --latency-tokens 64          # the longer run, also in BENCHMARKS.md (about 45 minutes)
     python bench/bench_traces.py --num-prompts 24 --batch-sizes 16 --generate-batch-sizes 8 --max-new-tokens 32
 
 Prompts: ``--prompts prompts.jsonl`` (first N), else a seeded mix of the training files in
@@ -203,17 +204,19 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", type=Path, default=None, help="prompts.jsonl to take the first N prompts from")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="mix only: skip longer templated prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batch-sizes", default="16,32,64", help="ours: comma-separated batch sizes")
-    p.add_argument("--generate-batch-sizes", default="8,16,32", help="generate(): comma-separated batch sizes")
-    p.add_argument("--latency-tokens", type=int, default=64, help="batch-1 latency run length (0: skip)")
+    p.add_argument("--batch-sizes", default="32,64", help="ours: comma-separated batch sizes")
+    p.add_argument("--generate-batch-sizes", default="8,16", help="generate(): comma-separated batch sizes")
+    p.add_argument("--latency-tokens", type=int, default=32, help="batch-1 latency run length (0: skip)")
     p.add_argument("--ablation", action="store_true",
                    help="also run our engine with DynamicCache (length-sorted static batches, no refill)")
     p.add_argument("--generate-sorted", action="store_true",
                    help="also run generate() on length-sorted batches (a stronger baseline than file order)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (0: torch's default). 1 by default: on the shared 2-vCPU machine two "
+                        "threads ran 2-4x slower than one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_traces.json"))
     p.add_argument("--write-prompts", type=Path, default=None, help="write the prompt mix as prompts.jsonl, exit")
@@ -246,7 +249,7 @@ def main(argv=None) -> int:
                 f.write(json.dumps(r, ensure_ascii=True) + "\n")
         print(f"wrote {len(records)} prompts to {args.write_prompts}")
         return 0
-    if args.threads:
+    if args.threads > 0:
         torch.set_num_threads(args.threads)
     model = load_model(target)
     eos, pad = eos_token_ids(model), pad_token_id(model)
