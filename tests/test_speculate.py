@@ -14,15 +14,6 @@ from specdraft.speculate import (CachedDraftModel, DrafterProposer, NoDraft, Spe
 K_VALUES = [1, 2, 4, 8, 16]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models on a shared 2-core machine: one intra-op thread avoids OpenMP spin contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _load(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
