@@ -11,7 +11,7 @@ Batch-1 latency per token is measured for both (EOS ignored, so every run has th
 
     python bench/bench_traces.py      # the defaults: what BENCHMARKS.md reports (about 10 minutes, 1 thread)
     python bench/bench_traces.py --num-prompts 200 --batch-sizes 16,32,64 --generate-batch-sizes 8,16,32 \
-        --latency-tokens 64          # the longer run, also in BENCHMARKS.md (about 45 minutes)
+        --latency-tokens 64          # the longer run with long prompts, also in BENCHMARKS.md (~45 minutes)
     python bench/bench_traces.py --num-prompts 24 --batch-sizes 16 --generate-batch-sizes 8 --max-new-tokens 32
 
 Prompts: ``--prompts prompts.jsonl`` (first N), else a seeded mix of the training files in
@@ -207,16 +207,18 @@ def parse_args(argv=None):
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="mix only: skip longer templated prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batch-sizes", default="32,64", help="ours: comma-separated batch sizes")
-    p.add_argument("--generate-batch-sizes", default="8,16", help="generate(): comma-separated batch sizes")
+    p.add_argument("--batch-sizes", default="64,128", help="ours: comma-separated batch sizes (a batch larger "
+                                                        "than the prompt count decodes them all at once)")
+    p.add_argument("--generate-batch-sizes", default="16,32,64", help="generate(): comma-separated batch sizes")
     p.add_argument("--latency-tokens", type=int, default=32, help="batch-1 latency run length (0: skip)")
     p.add_argument("--ablation", action="store_true",
                    help="also run our engine with DynamicCache (length-sorted static batches, no refill)")
     p.add_argument("--generate-sorted", action="store_true",
                    help="also run generate() on length-sorted batches (a stronger baseline than file order)")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (0: torch's default). 1 by default: on the shared 2-vCPU machine two "
-                        "threads ran 2-4x slower than one")
+                   help="torch threads (0: torch's default). 1 by default, for figures that hold on a shared "
+                        "machine: on the idle 2-vCPU box 2 threads were ~1.5x faster at batch 16, but 2-4x "
+                        "slower while other processes competed for the cores")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_traces.json"))
     p.add_argument("--write-prompts", type=Path, default=None, help="write the prompt mix as prompts.jsonl, exit")
@@ -307,7 +309,9 @@ def main(argv=None) -> int:
     sorted_best = best("generate-sorted", "tokens_per_cpu_s")
     speedup_sorted = (round(ours_cpu["tokens_per_cpu_s"] / sorted_best["tokens_per_cpu_s"], 2)
                       if sorted_best else None)
-    latency = batch1_latency(model, prompts[len(prompts) // 2], args.latency_tokens, pad) if args.latency_tokens > 1 else {}
+    latency = {}
+    if args.latency_tokens > 1:
+        latency = batch1_latency(model, prompts[len(prompts) // 2], args.latency_tokens, pad)
 
     print("\n| method | batch | new tokens | wall s | tokens/s | CPU s | tokens/CPU-s | RSS growth MiB "
           "| rows identical to the first run |")

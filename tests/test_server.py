@@ -46,7 +46,7 @@ class FakeEngine:
     def draft(self, contexts, n):
         self.calls.append(len(contexts))
         if self.gate is not None:
-            self.gate.wait(10)
+            self.gate.wait(90)
         if self.delay:
             time.sleep(self.delay)
         if self.fail_when is not None and any(self.fail_when(c) for c in contexts):
@@ -159,7 +159,7 @@ def test_batcher_full_queue_is_refused_at_once_and_close_drains():
     engine = FakeEngine(gate=gate)
     b = Batcher(engine.draft, max_batch_size=1, max_wait_s=0, max_queue=2).start()
     first = b.submit([1], 1)
-    deadline = time.time() + 5
+    deadline = time.time() + 30
     while not engine.calls:  # the worker holds the first request inside the (blocked) step
         assert time.time() < deadline
         time.sleep(0.01)
@@ -595,20 +595,26 @@ def test_queue_full_is_503_with_retry_after_not_a_hang():
     gate = threading.Event()
     engine = FakeEngine(gate=gate)
     cfg = fake_config(max_batch_size=1, max_queue=1, max_wait_ms=0)
-    with ThreadServer(create_app(cfg, engine), cfg) as srv:
-        with ThreadPoolExecutor(2) as pool:
-            held = [pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [i]}, timeout=30)
-                    for i in (1, 2)]  # one in the step, one in the queue
+    with ThreadServer(create_app(cfg, engine), cfg) as srv, ThreadPoolExecutor(2) as pool:
+        try:
+            # One at a time: sent together, the second could reach the 1-slot queue before the worker took
+            # the first, and be refused itself.
             deadline = time.time() + 60  # generous: CI machines are shared and slow
-            while not (engine.calls and metric_samples(srv.url)[("specdraft_queue_depth", ())] >= 1):
+            held = [pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [1]}, timeout=90)]
+            while not engine.calls:  # the first is in the (gated) step
+                assert time.time() < deadline
+                time.sleep(0.02)
+            held.append(pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [2]}, timeout=90))
+            while metric_samples(srv.url)[("specdraft_queue_depth", ())] < 1:  # the second waits in the queue
                 assert time.time() < deadline
                 time.sleep(0.02)
             t = time.perf_counter()
             r = httpx.post(srv.url + "/draft", json={"token_ids": [3]}, timeout=30)
-            assert time.perf_counter() - t < 2
+            assert time.perf_counter() - t < 5  # refused at once, not after the 30 s request timeout
             assert r.status_code == 503 and r.json()["error"] == "queue_full" and r.headers["retry-after"] == "1"
-            gate.set()
-            assert [h.result().status_code for h in held] == [200, 200]
+        finally:
+            gate.set()  # also when an assertion failed, so the held requests end
+        assert [h.result().status_code for h in held] == [200, 200]
 
 
 def test_failed_batch_is_an_error_for_its_requests_and_the_server_goes_on():

@@ -182,6 +182,9 @@ def test_traces_shards_limit_and_settings_guard(tiny, tmp_path):
                                 shard=f"{i}/2"))
         ids.append([r["id"] for r in _rows(out)])
     assert sorted(ids[0]) == ["p0", "p2", "p4", "p6"] and sorted(ids[1]) == ["p1", "p3", "p5"]
+    empty = run_traces(TracesConfig(target=str(tiny[0]), prompts=prompts, out=tmp_path / "none" / "traces.jsonl",
+                                    max_new_tokens=3, limit=1, shard="1/2"))  # this shard gets no prompt
+    assert empty.rows == 0 and empty.summary_data["status"] == "complete"
     with pytest.raises(TracesError, match="max_new_tokens"):
         run_traces(TracesConfig(target=str(tiny[0]), prompts=prompts, out=tmp_path / "shard0" / "traces.jsonl",
                                 max_new_tokens=4, limit=7, shard="0/2"))

@@ -462,7 +462,8 @@ def _run_traces(cfg: TracesConfig, out: Path, summary_path: Path, log_path: Path
     records = records[shard_i::shard_n]
 
     repair_jsonl(out)
-    done = _trace_ids(out) if out.is_file() else set()
+    out.touch()
+    done = _trace_ids(out)
     target = describe_source(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
     template = has_chat_template(tokenizer)
@@ -593,7 +594,8 @@ def _run_validation(cfg: ValidationConfig, out: Path, summary_path: Path, log_pa
     if dropped is not None:
         log.info("%s: redoing the points of the last prompt written (%r), in case a kill cut them short",
                  out, dropped)
-    done = {obj["id"] for _, obj in read_jsonl(out)} if out.is_file() else set()
+    out.touch()
+    done = {obj["id"] for _, obj in read_jsonl(out)}
     target = describe_source(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
     template = has_chat_template(tokenizer)
