@@ -203,7 +203,7 @@ def latency_bench(args, draft_dir: Path, points: list[dict[str, Any]], read_gbs:
     log.info("timing model.generate(max_new_tokens=16) of the float model (%s)", float_src)
     times, gen_outs = timed(generate)
     results["generate_float32"] = summary(times, gen_outs)
-    del float_model
+    float_model = None  # free it before the draft engines load (the closure above is done with it)
 
     modes: dict[str, Any] = {}
     float_drafts: list[list[int]] | None = None
@@ -224,7 +224,7 @@ def latency_bench(args, draft_dir: Path, points: list[dict[str, Any]], read_gbs:
         if compute == args.server_compute:
             s["batched_equals_single"] = _batched_vs_single(engine, contexts, outs, n)
         modes[compute] = s
-        del engine
+        engine = None  # free this engine before the next loads
     results["modes"] = modes
     ref = modes.get("float32")
     if ref:

@@ -16,7 +16,7 @@ from specdraft.data import (DataSourceError, ManifestError, PromptsConfig, Templ
                             contamination_filter, default_manifest_dict, expand_templates, get_reader,
                             iter_file_records, load_manifest, load_templates, near_duplicates, ngram_overlap,
                             normalise_prompt, parse_manifest_dict, read_eval_prompts, templates_asset)
-from specdraft.data.readers import MalformedRecord, load_hub_records
+from specdraft.data.readers import MalformedRecord, get_response_reader, load_hub_records
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "data"
@@ -140,6 +140,24 @@ def test_question_reader_gsm8k_never_reads_the_answer():
     got = texts(prompts_of("gsm8k_train.jsonl", "jsonl", "question"))
     assert len(got) == 3 and got[2].startswith("Lena buys 4 notebooks")
     assert not any("####" in t for t in got)
+
+
+def test_response_readers_take_the_answer_to_the_first_user_turn():
+    chat = get_response_reader("chat")
+    turns = [{"from": "gpt", "value": "earlier answer"}, {"from": "human", "value": "q"},
+             {"from": "gpt", "value": "the answer"}, {"from": "human", "value": "q2"}]
+    assert chat({"conversations": turns}) == "the answer"  # not the leading gpt turn
+    assert chat({"messages": [{"role": "user", "content": "q"}, {"role": "user", "content": "q2"},
+                              {"role": "assistant", "content": "late"}]}) is None  # not an answer to q
+    assert chat({"messages": [{"role": "user", "content": "q"}]}) is None
+    assert chat({"conversations": "not a list"}) is None  # odd records: no answer, never an error
+    assert get_response_reader("alpaca")({"instruction": "i", "output": "o"}) == "o"
+    assert get_response_reader("alpaca")({"instruction": "i", "response": "r"}) == "r"  # GPTeacher
+    assert get_response_reader("alpaca")({"instruction": "i", "output": "  "}) is None
+    assert get_response_reader("question")({"question": "q", "answer": "4*3+2=14 #### 14"}).endswith("14")
+    assert get_response_reader("oss_instruct")({"problem": "p", "solution": "def f(): ..."}) == "def f(): ..."
+    assert get_response_reader("turns")({"turns": ["a"]}) is None
+    assert get_response_reader("alpaca", {"output": "answer"})({"instruction": "i", "answer": "mapped"}) == "mapped"
 
 
 def test_turns_reader_mt_bench_takes_the_first_turn():
@@ -417,7 +435,9 @@ def fixture_run(tmp_path_factory, tiny_qwen3_dir):
 def test_prompts_end_to_end(fixture_run):
     cfg, res = fixture_run
     rows = [json.loads(line) for line in res.out.read_text().splitlines()]
-    assert all(set(r) == {"id", "source", "prompt"} for r in rows)
+    assert all({"id", "source", "prompt"} <= set(r) <= {"id", "source", "prompt", "response"} for r in rows)
+    with_answer = {r["source"] for r in rows if "response" in r}
+    assert "gsm8k" in with_answer and "templates" not in with_answer  # templates have no reference answer
     assert len({r["id"] for r in rows}) == len(rows) == res.total
     assert len({" ".join(r["prompt"].split()) for r in rows}) == len(rows)  # no exact duplicates
     stats = json.loads(res.stats_path.read_text())
@@ -425,6 +445,7 @@ def test_prompts_end_to_end(fixture_run):
     for name, s in c.items():  # every record is accounted for
         assert s["read"] == s["kept"] + sum(s["dropped"].values()), name
         assert s["kept"] == sum(1 for r in rows if r["source"] == name)
+        assert s["with_response"] == sum(1 for r in rows if r["source"] == name and "response" in r)
     assert c["ultrachat_jsonl"]["dropped"]["duplicate"] == 3  # same prompts as the parquet, which comes first
     assert c["ultrachat_jsonl"]["dropped"]["malformed"] == 1
     assert c["prompts_only"]["dropped"]["duplicate"] == 1  # whitespace variant

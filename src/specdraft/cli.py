@@ -19,6 +19,8 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
                "the target's greedy continuations of the prompts (resumable)"),
     "validation": ("specdraft.traces", "ValidationConfig", "run_validation",
                    "held-out evaluation points: context_ids and the target's next 16 greedy tokens"),
+    "label": ("specdraft.label", "LabelConfig", "run_label",
+              "teacher-forced labels: the target's argmax at every position of reference answers"),
     "train": ("specdraft.train", "TrainConfig", "run_train", "distil the draft from the target's traces"),
     "pack": ("specdraft.pack", "PackConfig", "run_pack", "pack a checkpoint into the QD04 4-bit model dir"),
     "serve": ("specdraft.server", "ServeConfig", "run_server", "serve POST /draft over HTTP"),

@@ -3,7 +3,8 @@
 The draft starts from a smaller pretrained model that shares the target's tokenizer, or from the
 target's own first layers (``truncate:TARGET_SPEC:N``). It is trained with cross-entropy on the target's
 greedy completion tokens (prompt positions masked) and, with ``kd``, a KL term to the target's logits
-computed online (DistillSpec). The loop reads top to bottom: ``make_batches`` -> ``train_step`` ->
+computed online (DistillSpec). ``labels`` adds teacher-forced rows (`specdraft label`): reference answers as
+context, the target's argmax at each position as the label; cheaper per token than traces. The loop reads top to bottom: ``make_batches`` -> ``train_step`` ->
 ``evaluate`` (held-out loss + simulated acceptance) -> ``save_checkpoint``.
 
 Simulated acceptance is exact for greedy drafting: because held-out completions are the target's own
@@ -40,6 +41,8 @@ log = logging.getLogger("specdraft.train")
 
 class TrainConfig(StageConfig):
     traces: str = Field(description="traces.jsonl written by `specdraft traces`")
+    labels: Optional[str] = Field(None, description="labels.jsonl from `specdraft label` (the target's argmax on "
+                                                    "reference answers), trained on together with the traces")
     init: str = Field(description="draft init: a model spec, or truncate:TARGET_SPEC:N "
                                   "(N layers, or a comma list of layer indices to keep)")
     out: str = Field(description="output checkpoint directory (the best checkpoint; last/ for resume)")
@@ -127,6 +130,9 @@ class Example:
     id: str
     input_ids: list[int]
     prompt_len: int  # positions < prompt_len are not trained on
+    # What the target says at each completion position. None for greedy traces, where it is the completion
+    # itself; teacher-forced labels (`specdraft label`) differ from the (human-written) completion.
+    targets: list[int] | None = None
 
     @property
     def completion(self) -> list[int]:
@@ -134,6 +140,7 @@ class Example:
 
 
 def read_traces(path: str | Path, max_seq_len: int) -> list[Example]:
+    """Greedy traces, or teacher-forced labels (rows with ``target_ids``, one per completion token)."""
     examples = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -141,11 +148,15 @@ def read_traces(path: str | Path, max_seq_len: int) -> list[Example]:
                 continue
             rec = json.loads(line)
             prompt, completion = list(rec["prompt_ids"]), list(rec["completion_ids"])
+            targets = rec.get("target_ids")
+            if targets is not None and len(targets) != len(completion):
+                raise ValueError(f"{path}:{lineno}: {len(targets)} target_ids for {len(completion)} completion ids")
             if not completion:
                 continue
             completion = completion[: max_seq_len - 1]
             prompt = prompt[-(max_seq_len - len(completion)):]
-            examples.append(Example(str(rec["id"]), prompt + completion, len(prompt)))
+            examples.append(Example(str(rec["id"]), prompt + completion, len(prompt),
+                                    None if targets is None else list(targets[: len(completion)])))
     if not examples:
         raise ValueError(f"{path}: no usable traces")
     return examples
@@ -194,7 +205,8 @@ def collate(examples: Sequence[Example], pad_id: int, device) -> dict[str, torch
         n = len(ex.input_ids)
         ids[row, :n] = torch.tensor(ex.input_ids)
         mask[row, :n] = 1
-        labels[row, ex.prompt_len:n] = ids[row, ex.prompt_len:n]
+        labels[row, ex.prompt_len:n] = (ids[row, ex.prompt_len:n] if ex.targets is None
+                                        else torch.tensor(ex.targets, dtype=torch.long))
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
 
@@ -299,6 +311,19 @@ def run_train(cfg: TrainConfig) -> dict:
         train_set, heldout = split_heldout(examples, cfg.heldout_fraction)
         if cfg.heldout_traces:
             heldout = read_traces(cfg.heldout_traces, cfg.max_seq_len)
+        if any(ex.targets is not None for ex in heldout):
+            raise ValueError("held-out examples must be greedy traces (simulated acceptance compares drafts with "
+                             "the completion): pass teacher-forced labels as --labels, not as traces")
+        labelled = read_traces(cfg.labels, cfg.max_seq_len) if cfg.labels else []
+        if labelled:
+            max_id = max(max(max(ex.input_ids), max(ex.targets or [0])) for ex in labelled)
+            if max_id >= model.config.vocab_size:
+                raise ValueError(f"{cfg.labels} uses token id {max_id} but the draft's vocab has "
+                                 f"{model.config.vocab_size}")
+            labels_target = _target_spec_from_summary(_labels_summary(cfg.labels))
+            if labels_target and labels_target != target_spec:
+                raise ValueError(f"{cfg.labels} was labelled by {labels_target}, not by the target {target_spec}")
+            train_set = train_set + labelled  # never held out: held-out points are greedy traces
         heldout = heldout[: cfg.heldout_max]
         if not train_set:
             raise ValueError(f"{traces_path}: no traces left for training after the held-out split")
@@ -330,8 +355,9 @@ def run_train(cfg: TrainConfig) -> dict:
 
         state = _load_resume_state(out, accelerator, cfg)
         step, history, best = state["step"], state["history"], state["best"]
-        log.info("train: %d traces (%d held out), %d steps, init %s, target %s, kd=%s, resume from step %d",
-                 len(train_set), len(heldout), total_steps, cfg.init, target_spec, cfg.kd, step)
+        log.info("train: %d examples (%d teacher-forced), %d held out, %d steps, init %s, target %s, kd=%s, "
+                 "resume from step %d", len(train_set), len(labelled), len(heldout), total_steps, cfg.init,
+                 target_spec, cfg.kd, step)
         if step == 0 and not history:
             history.append(_evaluate(accelerator, model, heldout, pad_id, cfg, step=0, train_loss=None))
             best = _maybe_save_best(accelerator, model, tokenizer, out, history[-1], best)
@@ -387,10 +413,15 @@ def run_train(cfg: TrainConfig) -> dict:
             "init": init_source,
             "target": describe_source(target_spec),
             "traces": {"path": str(traces_path.resolve()), "sha256": sha256_file(traces_path),
-                       "count": len(examples), "train": len(train_set), "heldout": len(heldout),
+                       "count": len(examples), "train": len(train_set) - len(labelled), "heldout": len(heldout),
                        "heldout_traces": (str(Path(cfg.heldout_traces).resolve()) if cfg.heldout_traces
                                           else None),
                        "summary_sha256": sha256_file(summary_path) if summary_path.is_file() else None},
+            "labels": ({"path": str(Path(cfg.labels).resolve()), "sha256": sha256_file(cfg.labels),
+                        "count": len(labelled), "tokens": sum(len(ex.targets or ()) for ex in labelled),
+                        "summary_sha256": (sha256_file(_labels_summary_path(cfg.labels))
+                                           if _labels_summary_path(cfg.labels).is_file() else None)}
+                       if cfg.labels else None),
             "config": cfg.to_json_dict(),
             "steps": step,
             "total_steps": total_steps,
@@ -466,6 +497,16 @@ def _load_resume_state(out: Path, accelerator, cfg: TrainConfig) -> dict:
     accelerator.load_state(str(out / "last"))
     log.info("resuming from %s at step %d", out / "last", saved["step"])
     return saved
+
+
+def _labels_summary_path(labels: str | Path) -> Path:
+    path = Path(labels)
+    return path.with_name(path.stem + ".summary.json")
+
+
+def _labels_summary(labels: str | Path) -> dict:
+    path = _labels_summary_path(labels)
+    return read_json(path) if path.is_file() else {}
 
 
 def _target_spec_from_summary(summary: dict) -> str | None:

@@ -23,8 +23,8 @@ from ..config import StageConfig
 from ..models import DEFAULT_TARGET
 from ..provenance import atomic_write_bytes, atomic_write_json, run_metadata, sha256_bytes, sha256_file, stage_log
 from .manifest import CorpusSpec, LoadedManifest, load_manifest
-from .readers import (READERS, DataSourceError, MalformedRecord, Record, get_reader, iter_file_records,
-                      load_hub_records, read_eval_prompts)
+from .readers import (READERS, DataSourceError, MalformedRecord, Record, get_reader, get_response_reader,
+                      iter_file_records, load_hub_records, read_eval_prompts)
 from .templates import expand_templates, load_templates
 from .text import dedup_key, near_duplicates, ngram_overlap, normalise_prompt
 
@@ -68,6 +68,7 @@ class Candidate:
     index: int  # ordinal of the record in its source
     text: str
     tokens: int = 0
+    response: str | None = None  # the record's reference answer, for `specdraft label`
 
 
 @dataclass
@@ -78,6 +79,7 @@ class CorpusStats:
     read: int = 0
     kept: int = 0
     tokens: int = 0  # prompt tokens of the kept prompts
+    with_response: int = 0  # kept prompts that carry the record's reference answer
     dropped: Counter = field(default_factory=Counter)
     malformed_examples: list[str] = field(default_factory=list)
     source: dict[str, Any] = field(default_factory=dict)
@@ -85,7 +87,7 @@ class CorpusStats:
     def to_json(self) -> dict[str, Any]:
         shortfall = max(0, self.requested - self.kept) if self.requested is not None else 0
         return {"kind": self.kind, "read": self.read, "kept": self.kept, "requested": self.requested,
-                "shortfall": shortfall, "prompt_tokens": self.tokens,
+                "shortfall": shortfall, "prompt_tokens": self.tokens, "with_response": self.with_response,
                 "dropped": {r: self.dropped.get(r, 0) for r in DROP_REASONS},
                 "malformed_examples": self.malformed_examples, **self.source}
 
@@ -170,9 +172,11 @@ def _build(cfg: PromptsConfig, out: Path) -> PromptsResult:
     for c in final:
         stats[c.corpus].kept += 1
         stats[c.corpus].tokens += c.tokens
+        stats[c.corpus].with_response += c.response is not None
 
     width = max(6, len(str(max(c.index for c in final))))
-    lines = [jsonl_line({"id": f"{c.corpus}-{c.index:0{width}d}", "source": c.corpus, "prompt": c.text})
+    lines = [jsonl_line({"id": f"{c.corpus}-{c.index:0{width}d}", "source": c.corpus, "prompt": c.text,
+                         **({"response": c.response} if c.response is not None else {})})
              for c in final]
     payload = ("\n".join(lines) + "\n").encode("utf-8")
     atomic_write_bytes(out, payload)
@@ -260,7 +264,7 @@ def _read_corpus(corpus: CorpusSpec, loaded: LoadedManifest, st: CorpusStats) ->
         st.source = {"path": corpus.path, "resolved_path": str(path), "sha256": sha256_file(path),
                      "generated": n, "seed": corpus.seed}
         st.read = len(pairs)
-        return _keep_texts(st, [(i, text) for i, (_, text) in enumerate(pairs)])
+        return _keep_texts(st, [(i, text, None) for i, (_, text) in enumerate(pairs)])
 
     if corpus.kind == "local_file":
         path = loaded.resolved[corpus.name]
@@ -274,12 +278,13 @@ def _read_corpus(corpus: CorpusSpec, loaded: LoadedManifest, st: CorpusStats) ->
         st.source = {"repo_id": corpus.repo_id, "revision": corpus.revision, "split": corpus.split,
                      "subset": corpus.subset, "license": corpus.license, **meta}
     read = get_reader(corpus.reader, corpus.fields)
-    texts: list[tuple[int, str]] = []
+    read_response = get_response_reader(corpus.reader, corpus.fields)
+    texts: list[tuple[int, str, str | None]] = []
     for rec in records:
         st.read += 1
         text = _read_one(rec, read, st)
         if text is not None:
-            texts.append((rec.index, text))
+            texts.append((rec.index, text, read_response(rec.data)))
     if st.read and st.dropped["malformed"] == st.read:
         log.warning("%s: every record is malformed for reader %r (wrong reader or field mapping?)",
                     corpus.name, corpus.reader)
@@ -305,14 +310,15 @@ def _read_one(rec: Record, read, st: CorpusStats) -> str | None:
     return None
 
 
-def _keep_texts(st: CorpusStats, texts: list[tuple[int, str]]) -> list[Candidate]:
+def _keep_texts(st: CorpusStats, texts: list[tuple[int, str, str | None]]) -> list[Candidate]:
     out = []
-    for index, raw in texts:
+    for index, raw, response in texts:
         text = normalise_prompt(raw)
         if not text:
             st.dropped["empty"] += 1
             continue
-        out.append(Candidate(st.name, index, text))
+        response = response.strip() if response else None  # kept verbatim inside: code needs its layout
+        out.append(Candidate(st.name, index, text, response=response or None))
     return out
 
 

@@ -3,7 +3,10 @@
 A *source* yields ``Record``s: the record's ordinal, a location for messages (``file:line``,
 ``file:row N``, ``hf://ORG/NAME@REV/SPLIT#i``) and the parsed record, or the reason it could not be parsed.
 A *reader* turns a parsed record into a prompt string, returns None when the record holds no prompt (a chat
-with no user turn), or raises ``MalformedRecord`` when the record does not have the reader's shape.
+with no user turn), or raises ``MalformedRecord`` when the record does not have the reader's shape. Its
+*response* reader returns the record's reference answer to that prompt (the first assistant turn after it,
+alpaca `output`, GSM8K `answer`, ...) or None; a missing or odd response is never an error. Responses are
+not training targets themselves: `specdraft label` has the target label every position of them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 USER_ROLES = {"user", "human"}
+ASSISTANT_ROLES = {"assistant", "gpt", "model", "chatgpt", "bot"}
 
 
 class MalformedRecord(ValueError):
@@ -122,24 +126,76 @@ def read_field(rec: Any, f: dict[str, str]) -> str | None:
     return _get(rec, f["text"])
 
 
+# ------------------------------------------------------------------------------------- response readers
+
+def _text_field(rec: Any, *keys: str) -> str | None:
+    if not isinstance(rec, dict):
+        return None
+    for key in keys:
+        value = rec.get(key)
+        if isinstance(value, str) and value.strip():
+            return value
+    return None
+
+
+def response_chat(rec: Any, f: dict[str, str]) -> str | None:
+    """The first assistant turn after the first user turn."""
+    try:
+        turns = _turns(rec, f)
+    except MalformedRecord:
+        return None
+    if turns is None:
+        return _text_field(rec, f["response"])
+    seen_user = False
+    for role, text in turns:
+        if role.lower() in USER_ROLES:
+            if seen_user:  # the user spoke again before any answer
+                return None
+            seen_user = True
+        elif seen_user and role.lower() in ASSISTANT_ROLES:
+            return text if isinstance(text, str) and text.strip() else None
+    return None
+
+
+def response_alpaca(rec: Any, f: dict[str, str]) -> str | None:
+    """Alpaca `output` (GPTeacher calls it `response`)."""
+    return _text_field(rec, f["output"], f["response"])
+
+
+def response_oss_instruct(rec: Any, f: dict[str, str]) -> str | None:
+    return _text_field(rec, f["solution"])
+
+
+def response_question(rec: Any, f: dict[str, str]) -> str | None:
+    return _text_field(rec, f["answer"])
+
+
 @dataclass(frozen=True)
 class Reader:
     func: Callable[[Any, dict[str, str]], str | None]
     fields: dict[str, str]  # reader key -> default record key
     required_fields: tuple[str, ...] = ()  # keys the manifest must map (no default)
+    response: Callable[[Any, dict[str, str]], str | None] | None = None
 
     def bind(self, mapping: dict[str, str]) -> Callable[[Any], str | None]:
         fields = {**self.fields, **mapping}
         return lambda rec: self.func(rec, fields)
 
+    def bind_response(self, mapping: dict[str, str]) -> Callable[[Any], str | None]:
+        fields = {**self.fields, **mapping}
+        response = self.response
+        return (lambda rec: None) if response is None else (lambda rec: response(rec, fields))
+
 
 READERS: dict[str, Reader] = {
     "chat": Reader(read_chat, {"messages": "messages", "role": "role", "content": "content",
                                "conversations": "conversations", "from": "from", "value": "value",
-                               "prompt": "prompt"}),
-    "oss_instruct": Reader(read_oss_instruct, {"problem": "problem"}),
-    "alpaca": Reader(read_alpaca, {"instruction": "instruction", "input": "input"}),
-    "question": Reader(read_question, {"question": "question"}),
+                               "prompt": "prompt", "response": "response"}, response=response_chat),
+    "oss_instruct": Reader(read_oss_instruct, {"problem": "problem", "solution": "solution"},
+                           response=response_oss_instruct),
+    "alpaca": Reader(read_alpaca, {"instruction": "instruction", "input": "input", "output": "output",
+                                   "response": "response"}, response=response_alpaca),
+    "question": Reader(read_question, {"question": "question", "answer": "answer"}, response=response_question),
     "turns": Reader(read_turns, {"turns": "turns"}),
     "field": Reader(read_field, {"text": ""}, required_fields=("text",)),
 }
@@ -148,6 +204,11 @@ READERS: dict[str, Reader] = {
 def get_reader(name: str, mapping: dict[str, str] | None = None) -> Callable[[Any], str | None]:
     """The bound reader; KeyError for an unknown name (manifest validation reports it per corpus)."""
     return READERS[name].bind(mapping or {})
+
+
+def get_response_reader(name: str, mapping: dict[str, str] | None = None) -> Callable[[Any], str | None]:
+    """The bound response reader (returns None for readers without one)."""
+    return READERS[name].bind_response(mapping or {})
 
 
 # ------------------------------------------------------------------------------------------------ sources
