@@ -12,6 +12,7 @@ from specdraft.audit import (AuditConfig, SandboxResult, allowed_roots, audit_ru
                              read_sandbox_events, run_audit, start_sandboxed, stop_process)
 from specdraft.cli import main
 from specdraft.data import PromptsConfig, build_prompts
+from specdraft.label import LabelConfig, run_label
 from specdraft.provenance import sha256_file
 from specdraft.traces import TracesConfig, ValidationConfig, run_traces, run_validation
 from specdraft.train import TrainConfig, run_train
@@ -47,7 +48,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 def base(tmp_path_factory, tiny_qwen3_dir):
     """data/ (corpus + manifest), eval/mt_bench.jsonl and run/ built by prompts, traces, validation, train, pack."""
     root = tmp_path_factory.mktemp("audit")
-    corpus = _write_jsonl(root / "data" / "corpus.jsonl", [{"question": q} for q in QUESTIONS])
+    corpus = _write_jsonl(root / "data" / "corpus.jsonl",
+                          [{"question": q, "answer": f"The answer to {q.lower()} is short."} for q in QUESTIONS])
     manifest = root / "data" / "manifest.json"
     manifest.write_text(json.dumps({
         "schema_version": 1, "name": "audit-test", "uses_eval_splits": False,
@@ -67,7 +69,10 @@ def base(tmp_path_factory, tiny_qwen3_dir):
                             target=tiny, max_new_tokens=16, batch_size=16, device="cpu"))
     run_validation(ValidationConfig(prompts=eval_file, out=run / "validation" / "validation.jsonl", target=tiny,
                                     max_new_tokens=24, num_draft=8, device="cpu"))
-    run_train(TrainConfig(traces=str(run / "traces" / "traces.jsonl"), init=f"truncate:{tiny}:1",
+    run_label(LabelConfig(prompts=str(run / "prompts" / "prompts.jsonl"), out=str(run / "labels" / "labels.jsonl"),
+                          target=tiny, min_answer_tokens=1, device="cpu"))
+    run_train(TrainConfig(traces=str(run / "traces" / "traces.jsonl"), labels=str(run / "labels" / "labels.jsonl"),
+                          init=f"truncate:{tiny}:1",
                           out=str(run / "draft"), target=tiny, max_steps=2, eval_every=1, warmup_steps=1,
                           heldout_fraction=0.2, batch_tokens=512, threads=1))
     assert main(["pack", "--checkpoint", str(run / "draft"), "--out", str(run / "model")]) == 0
@@ -115,6 +120,8 @@ def test_intact_run_passes_with_the_sandboxed_server(run):
     assert by_check["tensor shapes"]["message"].endswith("tensors with Qwen3ForCausalLM shapes")
     assert by_check["contamination"]["status"] == "pass" and "completions" in by_check["contamination"]["message"]
     assert by_check["greedy re-scored"]["status"] == "pass"
+    for check in ("train labels sha256", "labels sha256", "labels target", "labels prompts", "labels re-scored"):
+        assert by_check[check]["status"] == "pass", by_check[check]
     for check in ("server answers", "server load", "no network", "files read", "files written", "no subprocess"):
         assert by_check[check]["status"] == "pass", by_check[check]
     assert "missing=0 unexpected=0" in by_check["server load"]["message"]
@@ -224,6 +231,23 @@ def test_completion_that_is_not_the_targets_greedy_choice(run):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (bad,) = _failed(_audit(run, greedy_check=2))["greedy re-scored"]
     assert repr(rows[0]["id"]) in bad.details[0] and "not the target's greedy choice" in bad.message
+
+
+def test_labels_that_are_not_the_targets_argmax(run):
+    path = run / "labels" / "labels.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[-1]["target_ids"] = [(t + 1) % 300 + 3 for t in rows[-1]["target_ids"]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fails = _failed(_audit(run, greedy_check=2))
+    (bad,) = fails["labels re-scored"]
+    assert repr(rows[-1]["id"]) in " ".join(bad.details) and "not the target's argmax" in bad.message
+    assert "train labels sha256" in fails and "labels sha256" in fails
+
+
+def test_labels_from_other_prompts_are_named(run):
+    _edit_json(run / "labels" / "labels.summary.json", "prompts.sha256", "0" * 64)
+    (bad,) = _failed(_audit(run, greedy_check=0))["labels prompts"]
+    assert "contamination check does not cover them" in bad.message
 
 
 @pytest.mark.parametrize("file,field,check", [

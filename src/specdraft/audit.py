@@ -7,6 +7,7 @@ what each stage recorded. Every finding cites the file and the field it rests on
 
     RUN_DIR/prompts/     prompts.jsonl, prompts.stats.json, data_manifest.json     (specdraft prompts)
     RUN_DIR/traces/      traces.jsonl, traces.summary.json                         (specdraft traces)
+    RUN_DIR/labels/      labels.jsonl, labels.summary.json (only if trained on)    (specdraft label)
     RUN_DIR/validation/  validation.jsonl, validation.summary.json                 (specdraft validation)
     RUN_DIR/draft/       HF checkpoint + train_meta.json                           (specdraft train)
     RUN_DIR/model/       config, generation config, tokenizer, draft.qd4,
@@ -14,7 +15,7 @@ what each stage recorded. Every finding cites the file and the field it rests on
 
 Sections: data (manifest pins, splits, sources, 13-gram contamination of prompts *and* completions against
 the evaluation prompts), traces (declared target, greedy, counts, hashes, ids), training (init model, tensor
-names/shapes, traces hash), pack (weight file bytes/sha256 against architecture.json and the recipe, recipe
+names/shapes, traces hash, teacher-forced labels re-scored), pack (weight file bytes/sha256 against architecture.json and the recipe, recipe
 source against the checkpoint), serve (model dir contents, strict load, and -- optional -- the server run in a
 sandbox that blocks and records outgoing connections and records every file it opens).
 """
@@ -173,6 +174,34 @@ class RunPaths:
                    checkpoint=given(cfg.checkpoint, run / "draft"),
                    model_dir=given(cfg.model_dir, run / "model"),
                    out=given(cfg.out, run / "audit"))
+
+
+def _spread(rows: list[dict], n: int) -> list[dict]:
+    """Up to n rows spread evenly over the list (first and last included), each once."""
+    picks = [rows[round(i * (len(rows) - 1) / max(1, n - 1))] for i in range(min(n, len(rows)))]
+    return list({id(r): r for r in picks}.values())
+
+
+def _argmax_mismatches(model, rows: list[dict], expected_key: str, file_label: str) -> tuple[int, int, list[str]]:
+    """Teacher-forced argmax of ``model`` over prompt_ids + completion_ids against ``row[expected_key]``:
+    (tokens that differ, tokens compared, one line per row with a difference)."""
+    import torch
+
+    device = next(model.parameters()).device
+    mismatched, total, bad = 0, 0, []
+    with torch.inference_mode():
+        for t in rows:
+            prompt, completion, expected = list(t["prompt_ids"]), list(t["completion_ids"]), list(t[expected_key])
+            ids = torch.tensor([prompt + completion], device=device)
+            preds = model(input_ids=ids).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
+            miss = sum(int(a != b) for a, b in zip(preds, expected))
+            total += len(expected)
+            mismatched += miss
+            if miss:
+                first = next(j for j, (a, b) in enumerate(zip(preds, expected)) if a != b)
+                bad.append(f"{t.get('id')!r} ({file_label} line {t['_line']}): {miss} of {len(expected)} tokens "
+                           f"differ from the target's argmax, first at completion position {first}")
+    return mismatched, total, bad
 
 
 def _short(sha: Any) -> str:
@@ -793,22 +822,9 @@ class Audit:
                                                  f"--greedy-check-max-gb {self.cfg.greedy_check_max_gb} on CPU",
                      [self.cite(sp, "target.path")])
             return
-        picks = [rows[round(i * (len(rows) - 1) / max(1, n - 1))] for i in range(min(n, len(rows)))]
-        picks = list({id(r): r for r in picks}.values())
+        picks = _spread(rows, n)
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
-        mismatched, total, bad = 0, 0, []
-        with torch.inference_mode():
-            for t in picks:
-                prompt, completion = list(t["prompt_ids"]), list(t["completion_ids"])
-                ids = torch.tensor([prompt + completion], device=device)
-                preds = model(input_ids=ids).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
-                miss = sum(int(a != b) for a, b in zip(preds, completion))
-                total += len(completion)
-                mismatched += miss
-                if miss:
-                    first = next(j for j, (a, b) in enumerate(zip(preds, completion)) if a != b)
-                    bad.append(f"{t.get('id')!r} (line {t['_line']}): {miss} of {len(completion)} tokens differ from "
-                               f"the target's argmax, first at completion position {first}")
+        mismatched, total, bad = _argmax_mismatches(model, picks, "completion_ids", "traces.jsonl")
         del model
         cites = [self.cite(self.paths.traces, "completion_ids"), self.cite(sp, "target.path")]
         if not mismatched:
@@ -964,6 +980,7 @@ class Audit:
         self.guard("init model", lambda: self._train_init(meta))
         self.guard("train target", lambda: self._train_target(meta))
         self.guard("train traces", lambda: self._train_traces(meta))
+        self.guard("train labels", lambda: self._train_labels(meta))
         self.guard("checkpoint weights", lambda: self._train_weights(meta))
         self.guard("tensor shapes", self._train_shapes)
         self.guard("config vs init", lambda: self._train_config_vs_init(meta))
@@ -1011,6 +1028,69 @@ class Audit:
                      "traces.summary.json is the one training read" if same else
                      "traces.summary.json was rewritten after training (the traces sha256 above is what counts)",
                      [self.cite(mp, "traces.summary_sha256")])
+
+    def _train_labels(self, meta: dict) -> None:
+        """Teacher-forced labels (`specdraft label`), when the draft was trained on them: the file is the one
+        trained on, it was labelled by the traces' target from this run's prompts, and its labels are the
+        target's argmax (re-scored on a few rows)."""
+        mp = self.paths.train_meta
+        rec = meta.get("labels")
+        if not rec:
+            self.add("train labels", "pass", "trained on greedy traces only (no teacher-forced labels)",
+                     [self.cite(mp, "labels")])
+            return
+        # The run's own copy when it has one (a moved run dir), else the path training recorded.
+        path = self.paths.run_dir / "labels" / "labels.jsonl"
+        path = path if path.is_file() else Path(rec.get("path") or "")
+        if not path.is_file():
+            self.add("train labels", "fail", f"the labels the draft was trained on are gone ({path})",
+                     [self.cite(mp, "labels.path")])
+            return
+        self.check_equal("train labels sha256", self.sha(path), rec.get("sha256"),
+                         "labels.jsonl and the labels the draft was trained on (sha256)",
+                         [self.cite(path), self.cite(mp, "labels.sha256")], _short)
+        sp = path.with_name(path.stem + ".summary.json")
+        summary = self.json(sp)
+        if summary is None:
+            self.add("labels summary", "fail", f"missing: {self.rel(sp)} (written by specdraft label)", [self.cite(sp)])
+            return
+        self.check_equal("labels sha256", self.sha(path), summary.get("labels_sha256"),
+                         "labels.jsonl and labels.summary.json (sha256)",
+                         [self.cite(path), self.cite(sp, "labels_sha256")], _short)
+        t, s = summary.get("target") or {}, _get(self.traces_summary or {}, "target") or {}
+        self.check_equal("labels target", (t.get("spec"), t.get("weights_sha256")), (s.get("spec"), s.get("weights_sha256")),
+                         "the labelling target and the traces' target (spec, weights sha256)",
+                         [self.cite(sp, "target.spec"), self.cite(self.paths.traces_summary, "target.spec")],
+                         lambda x: f"{x[0]} {_short(x[1])}")
+        if self.paths.prompts.is_file():
+            same = _get(summary, "prompts.sha256") == self.sha(self.paths.prompts)
+            self.add("labels prompts", "pass" if same else "fail",
+                     "labelled answers come from this run's prompts.jsonl (so its contamination check covers them)"
+                     if same else "labelled answers come from another prompts file than this run's, whose "
+                                  "contamination check does not cover them",
+                     [self.cite(sp, "prompts.sha256"), self.cite(self.paths.prompts)])
+        rows = [r for r in self.jsonl(path) or [] if r.get("prompt_ids") and r.get("completion_ids")]
+        target = self.target_dir()
+        if self.cfg.greedy_check == 0 or target is None or not rows \
+                or self.weights_sha(target) != t.get("weights_sha256"):
+            self.add("labels re-scored", "skip", "--greedy-check 0" if self.cfg.greedy_check == 0 else
+                     "the target model with the recorded weights is not on this machine" if rows else "no rows",
+                     [self.cite(sp, "target.path")])
+            return
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        picks = _spread(rows, self.cfg.greedy_check)
+        mismatched, total, bad = _argmax_mismatches(model, picks, "target_ids", path.name)
+        del model
+        cites = [self.cite(path, "target_ids"), self.cite(sp, "target.path")]
+        if mismatched <= max(0, total // 100):  # float near-ties on another machine, as for traces
+            self.add("labels re-scored", "pass" if not mismatched else "warn",
+                     f"{len(picks)} labelled rows re-scored with the target: {total - mismatched} of {total} labels "
+                     "are its argmax", cites, bad)
+        else:
+            self.add("labels re-scored", "fail", f"{mismatched} of {total} labels are not the target's argmax",
+                     cites, bad)
 
     def _train_weights(self, meta: dict) -> None:
         mp = self.paths.train_meta
