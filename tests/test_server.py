@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdraft import qd4
 from specdraft.server import Batcher, BatchFailedError, QueueFullError, ServeConfig, create_app
-from specdraft.server.app import bind_socket, make_server, url_of
+from specdraft.server.app import bind_socket, make_server, trimmed, url_of
 from specdraft.server.batcher import BatcherClosedError
-from specdraft.server.engine import Int4Linear, ModelLoadError, apply_compute, load_engine
+from specdraft.server.engine import Int4Linear, ModelLoadError, apply_compute, heap_trimmer, load_engine
 
 START_TIMEOUT = 120
 REPO = Path(__file__).resolve().parents[1]
@@ -615,6 +615,31 @@ def test_queue_full_is_503_with_retry_after_not_a_hang():
         finally:
             gate.set()  # also when an assertion failed, so the held requests end
         assert [h.result().status_code for h in held] == [200, 200]
+
+
+def test_heap_is_trimmed_after_every_step_also_a_failed_one(monkeypatch):
+    import specdraft.server.engine as engine_mod
+    trims = []
+    monkeypatch.setattr(engine_mod, "heap_trimmer", lambda: lambda: trims.append(1))
+    engine = FakeEngine(fail_when=lambda c: c == [13])
+    for trim_heap, expected in ((True, 2), (False, 0)):
+        trims.clear()
+        cfg = fake_config(max_wait_ms=0, trim_heap=trim_heap)
+        with ThreadServer(create_app(cfg, engine), cfg) as srv:
+            assert httpx.post(srv.url + "/draft", json={"token_ids": [1, 2], "num_tokens": 2}).status_code == 200
+            assert httpx.post(srv.url + "/draft", json={"token_ids": [13]}).status_code == 500
+        assert len(trims) == expected
+
+
+def test_trimmed_step_returns_the_steps_rows_and_glibc_trim_runs():
+    calls = []
+    step = trimmed(lambda contexts, n: [[n] * n for _ in contexts], lambda: calls.append("trim"))
+    assert step([[1], [2]], 3) == [[3, 3, 3], [3, 3, 3]] and calls == ["trim"]
+    trim = heap_trimmer()
+    if sys.platform.startswith("linux"):  # this project's machines: glibc
+        assert trim is not None and trim() in (0, 1)
+    else:
+        assert trim is None
 
 
 def test_failed_batch_is_an_error_for_its_requests_and_the_server_goes_on():

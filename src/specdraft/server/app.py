@@ -60,7 +60,15 @@ class ServerState:
 
     def start(self, engine: Any) -> None:
         cfg = self.config
-        self.batcher = Batcher(engine.draft, max_batch_size=cfg.max_batch_size, max_wait_s=cfg.max_wait_ms / 1000,
+        step = engine.draft
+        if cfg.trim_heap:
+            from .engine import heap_trimmer
+            trim = heap_trimmer()
+            if trim is not None:
+                step = trimmed(engine.draft, trim)
+            else:
+                log.info("trim_heap: no glibc malloc_trim here; freed memory stays with the allocator")
+        self.batcher = Batcher(step, max_batch_size=cfg.max_batch_size, max_wait_s=cfg.max_wait_ms / 1000,
                                max_queue=cfg.max_queue, max_batch_tokens=cfg.max_batch_tokens,
                                observer=self.metrics).start()
         self.engine = engine
@@ -73,6 +81,16 @@ class ServerState:
         if self.batcher is not None:
             self.batcher.close(drain=True, timeout=timeout)
             log.info("batcher drained and stopped after %d batches", self.batcher.batches)
+
+
+def trimmed(step: Callable[[list[list[int]], int], list[list[int]]], trim: Callable[[], Any]):
+    """``step`` followed by ``trim`` (also when the step fails: its buffers were freed all the same)."""
+    def run(contexts: list[list[int]], n: int) -> list[list[int]]:
+        try:
+            return step(contexts, n)
+        finally:
+            trim()
+    return run
 
 
 def resolve_limits(config: ServeConfig, vocab_size: int, max_positions: int | None) -> int:

@@ -33,6 +33,10 @@ class ServeConfig(StageConfig):
         True, description="with compute=int4, run the prefill of the contexts as a dense bf16 matmul (a bf16 "
                           "copy of the layer weights, ~2.3x faster than the int4 kernel at many rows); decode "
                           "steps stay on the 4-bit codes")
+    trim_heap: bool = Field(
+        True, description="hand freed memory back to the OS after every model step (glibc malloc_trim): batches "
+                          "of varying shapes otherwise leave the heap fragmented and the RSS climbing "
+                          "(BENCHMARKS.md); no-op without glibc")
     max_queue: int = Field(256, ge=1, le=1_000_000,
                            description="requests that may wait for the worker; beyond it: 503 + Retry-After")
     max_body_bytes: int = Field(1 << 20, ge=256, description="largest request body accepted (413 beyond)")

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import nn
@@ -267,6 +268,28 @@ class Engine:
     def bytes_per_token(self) -> int:
         """Weight bytes one decode step reads at batch 1 (linear layers; the embedding row is negligible)."""
         return int(self.load_info.get("linear_weight_bytes", 0))
+
+
+def heap_trimmer() -> Callable[[], None] | None:
+    """glibc's ``malloc_trim(0)`` (frees every unused heap page back to the OS), or None without glibc.
+
+    Each draft step allocates KV caches and activations sized by its batch and context lengths; glibc keeps
+    the freed chunks (and raises its mmap threshold after large frees, so later large tensors come from the
+    heap too), and with ever-new shapes the RSS climbs. Trimming after each step keeps it flat for a few
+    milliseconds per step (bench/bench_memory.py).
+    """
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # musl and others have no malloc_trim
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
 
 
 def default_weights(model_dir: str | os.PathLike) -> Path | None:
