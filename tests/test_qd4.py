@@ -55,6 +55,14 @@ def test_codes_in_range_and_error_within_half_step(w, group_size):
 
 @SETTINGS
 @given(w=matrices(), group_size=group_sizes)
+def test_fake_quantize_is_exactly_what_the_packer_stores(w, group_size):
+    """QAT trains through fake_quantize: it must equal the packed weight bit for bit."""
+    assume(torch.isfinite(w).all() and w.abs().max() < qd4.FP16_MAX)
+    assert torch.equal(qd4.fake_quantize(w, group_size), qd4.dequantize(qd4.quantize(w, group_size)))
+
+
+@SETTINGS
+@given(w=matrices(), group_size=group_sizes)
 def test_lsq_fit_never_worse_than_minmax(w, group_size):
     """The lsq encoder only changes (scale, min); per group its squared error is at most minmax's."""
     w = w[:, : w.shape[1] // group_size * group_size]  # whole groups (padding copies would weigh in the fit)

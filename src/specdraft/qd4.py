@@ -250,6 +250,26 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     return dequantize_groups(unpack_codes(q.codes), q.scales, q.mins, q.shape[1], dtype)
 
 
+def fake_quantize(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
+    """``dequantize(quantize(w, group_size))`` (minmax fit) computed on w's own device and dtype, without the
+    packed codes: what the packed model will hold for this weight. Quantisation-aware training uses it."""
+    _check_group_size(group_size)
+    if w.dim() != 2:
+        raise ValueError(f"q4g quantises 2-D tensors, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    ng = num_groups(k, group_size)
+    x = w.float()
+    if ng * group_size > k:
+        x = torch.cat([x, x[:, -1:].expand(n, ng * group_size - k)], dim=1)
+    g = x.view(n, ng, group_size)
+    lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+    s = ((hi - lo) / QMAX).to(torch.float16).float()
+    m = lo.to(torch.float16).float()
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    q = ((g - m) * inv).round().clamp(0, QMAX)
+    return torch.addcmul(m, q, s).view(n, -1)[:, :k].to(w.dtype)
+
+
 def int4pack_scales_and_zeros(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """[Ng, N, 2] (scale, zero) for ``aten._weight_int4pack_mm_for_cpu``, whose dequantisation is
     ``(code - 8) * scale + zero``: so zero = min + 8 * scale. Needs K % G == 0 (no padded group)."""

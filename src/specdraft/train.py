@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from . import qd4
 from .config import StageConfig
 from .metrics import AcceptanceStats
 from .models import DEFAULT_TARGET, describe_source, resolve_model, tokenizer_fingerprint
@@ -63,6 +64,10 @@ class TrainConfig(StageConfig):
     kd_weight: float = Field(0.5, ge=0, le=1, description="loss = (1-w)*CE + w*KL when kd is on")
     kd_temperature: float = Field(1.0, gt=0, description="softmax temperature for the KL term")
     train_embeddings: bool = Field(False, description="also train the (tied) embedding / lm_head")
+    qat_group_size: Optional[int] = Field(
+        None, ge=2, description="quantisation-aware training: the trained linear layers compute with the weights "
+                                "`specdraft pack --group-size G` will store (4-bit, straight-through gradient), "
+                                "so fine-tuning deltas smaller than a 4-bit step are not rounded away at pack time")
     freeze_layers: int = Field(0, ge=0, description="keep the first M decoder layers frozen (cheaper "
                                                     "backward, less overfitting on few traces)")
     heldout_fraction: float = Field(0.05, ge=0, lt=1, description="fraction of traces held out (by id hash)")
@@ -231,6 +236,36 @@ def distill_loss(logits: torch.Tensor, labels: torch.Tensor, teacher_logits: tor
     return (1 - kd_weight) * ce + kd_weight * kl, parts
 
 
+class _STEFakeQuant(torch.autograd.Function):
+    """Forward: the packed (4-bit) weight; backward: the gradient passes straight to the float weight."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, group_size: int) -> torch.Tensor:
+        return qd4.fake_quantize(weight, group_size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def enable_qat(model, group_size: int) -> int:
+    """Make every trainable nn.Linear compute with ``qd4.fake_quantize`` of its weight (what `specdraft pack`
+    stores at this group size). The parameters stay float (the optimizer's latent weights), so checkpoints,
+    resume state and the packer see plain weights; packing them reproduces exactly the model that was
+    trained and evaluated. Returns the number of layers patched."""
+    import types
+
+    def forward(self, x):
+        return F.linear(x, _STEFakeQuant.apply(self.weight, group_size), self.bias)
+
+    patched = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.requires_grad:
+            module.forward = types.MethodType(forward, module)
+            patched += 1
+    return patched
+
+
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -338,6 +373,10 @@ def run_train(cfg: TrainConfig) -> dict:
                                  f"{model.config.num_hidden_layers}-layer draft")
             for layer in model.model.layers[: cfg.freeze_layers]:
                 layer.requires_grad_(False)
+        if cfg.qat_group_size:
+            patched = enable_qat(model, cfg.qat_group_size)
+            log.info("QAT: %d trained linear layers compute on their 4-bit G=%d weights", patched,
+                     cfg.qat_group_size)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         model, optimizer = accelerator.prepare(model, optimizer)
