@@ -1,6 +1,7 @@
 """The pack stage end to end on tiny models: the packed dir, the estimate, the strict loader, corruption."""
 
 import json
+import os
 import logging
 import shutil
 import struct
@@ -54,6 +55,9 @@ def test_pack_writes_the_model_dir(packed_qwen3, tiny_qwen3_dir):
     arch = json.loads((out / "architecture.json").read_text())
     weight = out / arch["weight_file"]
     assert arch["bytes"] == weight.stat().st_size == packed_qwen3.bytes
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # a shared artifact, not mkdtemp's private 0700
     assert arch["sha256"] == packed_qwen3.sha256 == sha256_file(weight)
     assert (arch["layers"], arch["hidden"], arch["heads"], arch["kv_heads"], arch["intermediate"]) == (2, 64, 4, 2, 128)
     assert arch["tied_embeddings"] is True and arch["model_type"] == "qwen3"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .provenance import atomic_write_json, package_versions, read_json, sha256_file
+from .provenance import atomic_write_json, make_shareable_dir, package_versions, read_json, sha256_file
 
 log = logging.getLogger("specdraft.models")
 
@@ -137,6 +137,7 @@ def _convert_gguf(spec: str, gguf: Path, gguf_sha: str, target: Path) -> Path:
     started = time.time()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    make_shareable_dir(tmp)  # it is renamed into place as the artifact
     try:
         gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                           dtype=torch.float32)

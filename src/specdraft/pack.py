@@ -22,7 +22,7 @@ from pydantic import Field, model_validator
 
 from . import qd4
 from .config import StageConfig
-from .provenance import atomic_write_json, read_json, run_metadata, sha256_file, stage_log
+from .provenance import atomic_write_json, make_shareable_dir, read_json, run_metadata, sha256_file, stage_log
 from .qd4 import QD4Error
 
 log = logging.getLogger("specdraft.pack")
@@ -108,6 +108,7 @@ def run_pack(cfg: PackConfig) -> PackResult:
         raise FileExistsError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    make_shareable_dir(tmp)  # it is renamed into place as the artifact
     try:
         with stage_log(tmp / "pack.log", "specdraft.pack"):
             log.info("packing %s (%s) into %s: G=%d, fit %s, embedding %s", cfg.checkpoint, src, out,

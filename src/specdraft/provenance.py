@@ -40,6 +40,13 @@ def sha256_files(paths: Iterable[str | os.PathLike]) -> str:
     return digest.hexdigest()
 
 
+def make_shareable_dir(path: str | os.PathLike) -> None:
+    """mkdtemp creates 0700; a directory that becomes an artifact gets the umask's mode like mkdir's."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temp file in the same folder, fsync, then rename: readers never see a torn file."""
     path = Path(path)
