@@ -279,13 +279,13 @@ def heap_trimmer() -> Callable[[], None] | None:
     milliseconds per step (bench/bench_memory.py).
     """
     import ctypes
-    import ctypes.util
 
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        # The process's own symbols (libc is loaded): ctypes.util.find_library would spawn ldconfig, and the
+        # audit's sandbox rightly counts a server that starts processes as a failure.
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # musl and others have no malloc_trim
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
