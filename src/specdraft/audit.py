@@ -15,9 +15,10 @@ what each stage recorded. Every finding cites the file and the field it rests on
 
 Sections: data (manifest pins, splits, sources, 13-gram contamination of prompts *and* completions against
 the evaluation prompts), traces (declared target, greedy, counts, hashes, ids), training (init model, tensor
-names/shapes, traces hash, teacher-forced labels re-scored), pack (weight file bytes/sha256 against architecture.json and the recipe, recipe
-source against the checkpoint), serve (model dir contents, strict load, and -- optional -- the server run in a
-sandbox that blocks and records outgoing connections and records every file it opens).
+names/shapes, traces hash, teacher-forced labels re-scored), pack (weight file bytes/sha256 against
+architecture.json and the recipe, recipe source against the checkpoint), serve (model dir contents, strict
+load, and -- optional -- the server run in a sandbox that blocks and records outgoing connections and records
+every file it opens).
 """
 
 from __future__ import annotations
@@ -1058,7 +1059,8 @@ class Audit:
                          "labels.jsonl and labels.summary.json (sha256)",
                          [self.cite(path), self.cite(sp, "labels_sha256")], _short)
         t, s = summary.get("target") or {}, _get(self.traces_summary or {}, "target") or {}
-        self.check_equal("labels target", (t.get("spec"), t.get("weights_sha256")), (s.get("spec"), s.get("weights_sha256")),
+        self.check_equal("labels target", (t.get("spec"), t.get("weights_sha256")),
+                         (s.get("spec"), s.get("weights_sha256")),
                          "the labelling target and the traces' target (spec, weights sha256)",
                          [self.cite(sp, "target.spec"), self.cite(self.paths.traces_summary, "target.spec")],
                          lambda x: f"{x[0]} {_short(x[1])}")

@@ -4,7 +4,8 @@ The draft starts from a smaller pretrained model that shares the target's tokeni
 target's own first layers (``truncate:TARGET_SPEC:N``). It is trained with cross-entropy on the target's
 greedy completion tokens (prompt positions masked) and, with ``kd``, a KL term to the target's logits
 computed online (DistillSpec). ``labels`` adds teacher-forced rows (`specdraft label`): reference answers as
-context, the target's argmax at each position as the label; cheaper per token than traces. The loop reads top to bottom: ``make_batches`` -> ``train_step`` ->
+context, the target's argmax at each position as the label; cheaper per token than traces. ``qat_group_size``
+trains through the packer's 4-bit rounding. The loop reads top to bottom: ``make_batches`` -> ``train_step`` ->
 ``evaluate`` (held-out loss + simulated acceptance) -> ``save_checkpoint``.
 
 Simulated acceptance is exact for greedy drafting: because held-out completions are the target's own
