@@ -2,7 +2,9 @@
 
 Greedy traces (`specdraft traces`) cost one sequential target step per token. Here the target reads a
 prompt and the corpus's own reference answer in ONE forward pass and its argmax is kept at every answer
-position, so many more training tokens come from the same target time. The draft then learns "what would
+position: no sequential dependency, so where decoding is memory-bound (a GPU at small batch) many more
+training tokens come from the same target time; on a compute-bound CPU the two cost about the same per token
+(BENCHMARKS.md), and the gain is long, varied contexts from the prompts at hand. The draft then learns "what would
 the target say next after this context" on human-written contexts, next to the traces' target-written
 ones. Traces stay the core signal; these labels add volume (BENCHMARKS.md measures both the cost per token
 and what each adds to acceptance).
