@@ -247,6 +247,7 @@ class Audit:
         self._json_cache: dict[Path, Any] = {}
         self._reported_missing: set[Path] = set()
         self._tokenizer_cache: dict[str, Any] = {}
+        self._rescorer: Any = None  # the target model, loaded once for the greedy/labels re-scoring checks
         self._sha_cache: dict[Path, str] = {}
         self._manifest_names: set[str] | None = None
         self.section = "data"
@@ -398,6 +399,27 @@ class Audit:
         if path and Path(path, "config.json").is_file():
             return Path(path)
         return None
+
+    def rescoring_model(self, weights_sha256: str | None) -> tuple[Any, str | None, str | None]:
+        """(target model, None, None) when the traces' target is on this machine with these weights and small
+        enough to run here (loaded once per audit), else (None, why not, the summary field it rests on)."""
+        target = self.target_dir()
+        if target is None:
+            return None, "the target model is not on this machine", "target.path"
+        if self.weights_sha(target) != weights_sha256:
+            return None, f"{target} no longer holds the recorded weights", "target.weights_sha256"
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from .models import weight_files
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        gb = sum(f.stat().st_size for f in weight_files(target)) / 1e9
+        if device == "cpu" and gb > self.cfg.greedy_check_max_gb:
+            return (None, f"the target's weights are {gb:.1f} GB, more than --greedy-check-max-gb "
+                          f"{self.cfg.greedy_check_max_gb} on CPU", "target.path")
+        if self._rescorer is None:
+            self._rescorer = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+        return self._rescorer, None, None
 
     def tokenizer(self) -> tuple[Any, Path, bool] | None:
         """(tokenizer, its dir, is the target's own) -- the target's when present, else the draft's (training
@@ -799,34 +821,19 @@ class Audit:
                  f"backend {backend!r}, sampling settings {sampling}: not the greedy traces stage",
                  [self.cite(sp, "backend"), self.cite(sp, "config")])
         n = self.cfg.greedy_check
-        target = self.target_dir()
         rows = [t for t in self.traces or [] if t.get("completion_ids") and t.get("prompt_ids")]
         if n == 0:
             self.add("greedy re-scored", "skip", "--greedy-check 0", [self.cite(self.paths.traces, "completion_ids")])
             return
-        if target is None or not rows:
-            self.add("greedy re-scored", "skip", "the target model is not on this machine" if target is None else
-                     "no traces", [self.cite(sp, "target.path")])
+        if not rows:
+            self.add("greedy re-scored", "skip", "no traces", [self.cite(sp, "target.path")])
             return
-        if self.weights_sha(target) != _get(s, "target.weights_sha256"):
-            self.add("greedy re-scored", "skip", f"{target} no longer holds the recorded weights",
-                     [self.cite(sp, "target.weights_sha256")])
-            return
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from .models import weight_files
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        gb = sum(f.stat().st_size for f in weight_files(target)) / 1e9
-        if device == "cpu" and gb > self.cfg.greedy_check_max_gb:
-            self.add("greedy re-scored", "skip", f"the target's weights are {gb:.1f} GB, more than "
-                                                 f"--greedy-check-max-gb {self.cfg.greedy_check_max_gb} on CPU",
-                     [self.cite(sp, "target.path")])
+        model, why, field = self.rescoring_model(_get(s, "target.weights_sha256"))
+        if model is None:
+            self.add("greedy re-scored", "skip", why, [self.cite(sp, field)])
             return
         picks = _spread(rows, n)
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
         mismatched, total, bad = _argmax_mismatches(model, picks, "completion_ids", "traces.jsonl")
-        del model
         cites = [self.cite(self.paths.traces, "completion_ids"), self.cite(sp, "target.path")]
         if not mismatched:
             self.add("greedy re-scored", "pass", f"{len(picks)} traces re-scored with the target: all {total} "
@@ -1072,19 +1079,13 @@ class Audit:
                                   "contamination check does not cover them",
                      [self.cite(sp, "prompts.sha256"), self.cite(self.paths.prompts)])
         rows = [r for r in self.jsonl(path) or [] if r.get("prompt_ids") and r.get("completion_ids")]
-        target = self.target_dir()
-        if self.cfg.greedy_check == 0 or target is None or not rows \
-                or self.weights_sha(target) != t.get("weights_sha256"):
+        model, why, field = self.rescoring_model(t.get("weights_sha256"))
+        if self.cfg.greedy_check == 0 or not rows or model is None:
             self.add("labels re-scored", "skip", "--greedy-check 0" if self.cfg.greedy_check == 0 else
-                     "the target model with the recorded weights is not on this machine" if rows else "no rows",
-                     [self.cite(sp, "target.path")])
+                     "no rows" if not rows else why, [self.cite(sp, field or "target.path")])
             return
-        import torch
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
         picks = _spread(rows, self.cfg.greedy_check)
         mismatched, total, bad = _argmax_mismatches(model, picks, "target_ids", path.name)
-        del model
         cites = [self.cite(path, "target_ids"), self.cite(sp, "target.path")]
         if mismatched <= max(0, total // 100):  # float near-ties on another machine, as for traces
             self.add("labels re-scored", "pass" if not mismatched else "warn",
@@ -1356,6 +1357,8 @@ class Audit:
             self.section = section
             t = time.time()
             self.guard(section, fn)
+            if section == "training":
+                self._rescorer = None  # traces and training were its only users; free it before serving
             self.facts.setdefault("seconds", {})[section] = round(time.time() - t, 2)
         return AuditReport(self.run_dir, self.findings, self.paths.out, self.facts)
 

@@ -3,10 +3,10 @@
 Greedy traces (`specdraft traces`) cost one sequential target step per token. Here the target reads a
 prompt and the corpus's own reference answer in ONE forward pass and its argmax is kept at every answer
 position: no sequential dependency, so where decoding is memory-bound (a GPU at small batch) many more
-training tokens come from the same target time; on a compute-bound CPU the two cost about the same per token
-(BENCHMARKS.md), and the gain is long, varied contexts from the prompts at hand. The draft then learns "what would
-the target say next after this context" on human-written contexts, next to the traces' target-written
-ones. Traces stay the core signal; these labels add volume (BENCHMARKS.md measures both the cost per token
+training tokens come from the same target time; on a compute-bound CPU the two cost about the same per
+token (BENCHMARKS.md), and the gain is long, varied contexts from the prompts at hand. The draft then
+learns "what would the target say next after this context" on human-written contexts, next to the
+traces' target-written ones. Traces stay the core signal; these labels add volume (BENCHMARKS.md measures both the cost per token
 and what each adds to acceptance).
 
 Output rows (traces-compatible, so `specdraft train --labels` reads them alongside traces):
@@ -30,7 +30,7 @@ from .config import StageConfig
 from .models import DEFAULT_TARGET
 from .provenance import atomic_write_json, read_json, run_metadata, sha256_file, stage_log
 from .traces import (StageResult, TracesError, _check_resume, _peak_rss_mb, _Progress, _resolve_device,
-                     _side_paths, encode_prompts, has_chat_template, jsonl_dumps, read_jsonl, repair_jsonl)
+                     _side_paths, _trace_ids, encode_prompts, has_chat_template, jsonl_dumps, read_jsonl, repair_jsonl)
 
 log = logging.getLogger("specdraft.label")
 
@@ -139,7 +139,7 @@ def _run_label(cfg: LabelConfig, out: Path, summary_path: Path, log_path: Path) 
     rows, total_in_file = read_answers(cfg.prompts, cfg.limit)
     repair_jsonl(out)
     out.touch()
-    done = {obj["id"] for _, obj in read_jsonl(out)}
+    done = _trace_ids(out)  # the traces stage's reader: ids, a duplicate refused
     target = describe_source(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
     template = has_chat_template(tokenizer)

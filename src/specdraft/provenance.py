@@ -40,11 +40,15 @@ def sha256_files(paths: Iterable[str | os.PathLike]) -> str:
     return digest.hexdigest()
 
 
+def _current_umask() -> int:
+    umask = os.umask(0)  # the only way to read it is to set it
+    os.umask(umask)
+    return umask
+
+
 def make_shareable_dir(path: str | os.PathLike) -> None:
     """mkdtemp creates 0700; a directory that becomes an artifact gets the umask's mode like mkdir's."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o777 & ~umask)
+    os.chmod(path, 0o777 & ~_current_umask())
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -58,9 +62,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         # mkstemp creates 0600; artifacts are meant to be shared, so honour the umask like open() does.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~_current_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

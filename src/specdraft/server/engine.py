@@ -275,8 +275,9 @@ def heap_trimmer() -> Callable[[], None] | None:
 
     Each draft step allocates KV caches and activations sized by its batch and context lengths; glibc keeps
     the freed chunks (and raises its mmap threshold after large frees, so later large tensors come from the
-    heap too), and with ever-new shapes the RSS climbs. Trimming after each step keeps it flat for a few
-    milliseconds per step (bench/bench_memory.py).
+    heap too), and with ever-new shapes the RSS climbs. Trimming after each step brings it back towards the
+    loaded size; the next step faults those pages in again (+9% median step time measured,
+    bench/bench_memory.py).
     """
     import ctypes
 
