@@ -6,8 +6,8 @@ position: no sequential dependency, so where decoding is memory-bound (a GPU at 
 training tokens come from the same target time; on a compute-bound CPU the two cost about the same per
 token (BENCHMARKS.md), and the gain is long, varied contexts from the prompts at hand. The draft then
 learns "what would the target say next after this context" on human-written contexts, next to the
-traces' target-written ones. Traces stay the core signal; these labels add volume (BENCHMARKS.md measures both the cost per token
-and what each adds to acceptance).
+traces' target-written ones. Traces stay the core signal; these labels add volume (BENCHMARKS.md
+measures both the cost per token and what each adds to acceptance).
 
 Output rows (traces-compatible, so `specdraft train --labels` reads them alongside traces):
 ``{"id", "source", "prompt_ids", "completion_ids": the reference answer's tokens (+ EOS), "target_ids":
