@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import specdraft
 from specdraft.audit import (AuditConfig, SandboxResult, allowed_roots, audit_run, classify_opens, classify_path,
                              read_sandbox_events, run_audit, start_sandboxed, stop_process)
 from specdraft.cli import main
@@ -197,6 +198,21 @@ def test_contamination_of_prompts_and_completions_is_listed(run, tmp_path):
     assert any(c["file"] == str(eval_file) for c in bad.cites)
 
 
+def test_contaminated_labelled_answer_is_named(run, tmp_path):
+    """An eval prompt that a labelled reference answer contains: neither a prompt nor a trace holds it."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(run / "draft")
+    rows = [json.loads(line) for line in (run / "labels" / "labels.jsonl").read_text().splitlines()]
+    victim = next(r for r in rows if "sum of seven" in tok.decode(r["completion_ids"], skip_special_tokens=True))
+    answer = tok.decode(victim["completion_ids"], skip_special_tokens=True)
+    eval_file = _write_jsonl(tmp_path / "leaky_eval.jsonl", [{"question_id": 1, "turns": [answer]}])
+    (bad,) = _failed(_audit(run, greedy_check=0, eval_set=[str(eval_file)]))["contamination"]
+    (detail,) = bad.details
+    assert detail.startswith(f"response of {victim['id']!r} (labels.jsonl line {rows.index(victim) + 1}): ")
+    assert "labelled answers" in bad.message
+    assert {"file": "labels/labels.jsonl", "field": "completion_ids"} in bad.cites
+
+
 # ----------------------------------------------------------------------------------------------- traces
 
 def test_trace_with_an_unknown_id(run):
@@ -247,7 +263,7 @@ def test_labels_that_are_not_the_targets_argmax(run):
 def test_labels_from_other_prompts_are_named(run):
     _edit_json(run / "labels" / "labels.summary.json", "prompts.sha256", "0" * 64)
     (bad,) = _failed(_audit(run, greedy_check=0))["labels prompts"]
-    assert "contamination check does not cover them" in bad.message
+    assert "another prompts file" in bad.message and "contamination check" not in bad.message
 
 
 @pytest.mark.parametrize("file,field,check", [
@@ -286,17 +302,55 @@ def test_flipped_byte_in_the_weights(run):
 
 def test_stray_file_in_the_model_dir(run):
     (run / "model" / "notes.txt").write_text("not a model file")
-    (bad,) = _failed(_audit(run, greedy_check=0))["model dir contents"]
-    assert "notes.txt" in bad.message
+    assert main(["audit", str(run), "--greedy-check", "0", "--no-serve-check"]) == 1  # the CLI's exit code
+    report = json.loads((run / "audit" / "audit.json").read_text())
+    (bad,) = [f for f in report["findings"] if f["check"] == "model dir contents"]
+    assert bad["status"] == "fail" and "notes.txt" in bad["message"] and not report["passed"]
+    assert bad["cites"] == [{"file": "model", "field": "directory listing"}]
+
+
+@pytest.mark.parametrize("audit_exit", [0, 1])
+def test_demo_ends_with_the_audit_and_fails_with_it(tmp_path, monkeypatch, audit_exit):
+    """`specdraft demo` runs the audit last on its run dir and exits 1 when the audit fails (stages stubbed)."""
+    import specdraft.audit as audit
+    import specdraft.demo as demo
+    import specdraft.selfcheck as selfcheck
+
+    calls: list[str] = []
+    monkeypatch.setattr(demo, "_stage", lambda run_dir, name, fingerprint, fn: calls.append(name))
+    monkeypatch.setattr(selfcheck, "run_selfcheck", lambda cfg: calls.append("selfcheck") or 0)
+    monkeypatch.setattr(audit, "run_audit", lambda cfg: calls.append(f"audit {cfg.run_dir}") or audit_exit)
+    run = tmp_path / "demo"
+    for name in ("eval/init/report.json", "eval/lookup/report.json", "eval/trained/report.json",
+                 "speculate/speculate.json", "model/architecture.json"):  # what the stubbed stages would write
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text("{}")
+    rc = demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(tmp_path / "eval.jsonl")))
+    assert calls[-3:] == ["speculate", "selfcheck", f"audit {run}"]
+    assert rc == audit_exit and json.loads((run / "demo_summary.json").read_text())["audit_exit"] == audit_exit
 
 
 # ------------------------------------------------------------------------------------------------ sandbox
 
 def test_sandbox_blocks_and_records_network_and_files(tmp_path):
     outside = next(p for p in ("/etc/os-release", "/etc/hostname", "/etc/passwd") if Path(p).is_file())
+    site = tmp_path / "site"  # stands in for site-packages: a package with code and a stray data file
+    (site / "leakypkg").mkdir(parents=True)
+    (site / "leakypkg" / "__init__.py").write_text("")
+    (site / "leakypkg" / "lookup.json").write_text("{}")
+    cheat = tmp_path / "cheat_table.json"  # tmp_path lies in the temp dir: a table left there for the server
+    cheat.write_text("{}")
     (tmp_path / "leaky.py").write_text(
-        "import socket\n"
+        "import pathlib, socket, tempfile\n"
+        "import leakypkg\n"
         f"open({outside!r}).read()\n"
+        f"open({str(site / 'leakypkg' / 'lookup.json')!r}).read()\n"
+        f"open({str(cheat)!r}).read()\n"
+        "pathlib.Path('scratch.txt').write_text('own dir')\n"  # the cwd: the sandbox's own dir
+        "with tempfile.NamedTemporaryFile('w+', delete=False) as f:\n"  # a temp file the server creates
+        "    f.write('mine'); own_tmp = f.name\n"
+        "open(own_tmp).read()\n"
+        "print('own temp file:', own_tmp)\n"
         "for call in (lambda: socket.create_connection(('203.0.113.7', 80), timeout=1),\n"
         "             lambda: socket.getaddrinfo('example.com', 443)):\n"
         "    try:\n"
@@ -304,7 +358,7 @@ def test_sandbox_blocks_and_records_network_and_files(tmp_path):
         "    except OSError as e:\n"
         "        print('refused:', e)\n")
     events, log = tmp_path / "events.jsonl", tmp_path / "leaky.log"
-    proc = start_sandboxed("leaky", [], events, log, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    proc = start_sandboxed("leaky", [], events, log, env={"PYTHONPATH": f"{tmp_path}:{site}"})
     try:
         proc.wait(60)
     finally:
@@ -313,12 +367,42 @@ def test_sandbox_blocks_and_records_network_and_files(tmp_path):
     read_sandbox_events(events, result)
     assert proc.returncode == 0, log.read_text()
     assert log.read_text().count("refused: specdraft audit sandbox") == 2
+    own_tmp = log.read_text().split("own temp file: ", 1)[1].split()[0]
+    Path(own_tmp).unlink()
     assert {e["event"] for e in result.network} == {"connect", "getaddrinfo"}
     assert any("203.0.113.7" in json.dumps(e) for e in result.network)
-    opened = classify_opens(result.opens, allowed_roots(tmp_path / "model", result.python_roots))
-    assert outside in opened["other"] and str(tmp_path / "leaky.py") in opened["temp"] | opened["other"]
+    roots = allowed_roots(tmp_path / "model", [*result.python_roots, str(site)], own_dirs=[result.sandbox_dir],
+                          created=result.created, absent=result.absent)
+    opened = classify_opens(result.opens, roots)
+    assert {outside, str(site / "leakypkg" / "lookup.json"), str(cheat)} <= opened["other"]
+    assert str(site / "leakypkg" / "__init__.py") in opened["python"]
+    assert {own_tmp, str(Path(result.sandbox_dir) / "scratch.txt")} <= opened["temp"]
+    assert own_tmp in result.created and not opened["other"] & result.created
     # the run dir is never an allowed place to read, even inside a temp dir; its model dir is
     roots = allowed_roots(tmp_path / "run" / "model", result.python_roots, denied=[tmp_path / "run"])
     assert classify_path(str(tmp_path / "run" / "draft" / "model.safetensors"), roots) == "other"
     assert classify_path(str(tmp_path / "run" / "model" / "draft.qd4"), roots) == "model_dir"
-    assert classify_path(str(tmp_path / "elsewhere.bin"), roots) == "temp"
+    assert classify_path(str(tmp_path / "elsewhere.bin"), roots) == "other"
+    assert classify_path("/dev/shm/table.bin", roots) == "other" and classify_path("/proc/self/maps", roots) == "system"
+    package = Path(specdraft.__file__).parent
+    assert classify_path(str(package / "lookup.json"), roots) == "other"
+    assert classify_path(str(package / "audit.py"), roots) == "python"
+
+
+def test_server_reading_a_stray_file_fails_the_audit(run, monkeypatch):
+    """The serve finding names a table in /tmp or in the package dir that the sandboxed server read."""
+    import specdraft.audit as audit
+
+    stray = [str(Path(specdraft.__file__).parent / "lookup.json"), "/tmp/cheat_table.json"]
+    model = run / "model"
+
+    def fake_server(model_dir, log_path, events, context, timeout_s=120.0):
+        log_path.write_text("loaded qd4 missing=0 unexpected=0\n")
+        events.write_text("")
+        return SandboxResult(url="http://127.0.0.1:1", draft_ids=[1, 2, 3, 4], loaded=(0, 0),
+                             opens={str(model / "draft.qd4"): False, **{p: False for p in stray}},
+                             python_roots=[], sandbox_dir="/tmp/specdraft-audit-sandbox-x")
+    monkeypatch.setattr(audit, "run_server_sandboxed", fake_server)
+    (bad,) = _failed(_audit(run, greedy_check=0, serve_check=True))["files read"]
+    assert bad.details == sorted(stray)
+    assert bad.cites == [{"file": "audit/serve_check.events.jsonl", "field": "event=open"}]

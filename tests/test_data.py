@@ -472,6 +472,29 @@ def test_prompts_contamination_is_dropped_and_reported(fixture_run):
     assert stats["contamination"]["eval_sets"][0]["sha256"] == sha(FIX / "mt_bench.jsonl")
 
 
+def test_contaminated_reference_answer_is_removed_and_counted(tmp_path, tiny_qwen3_dir):
+    leak = "Write a lively travel diary entry about a weekend spent exploring the old harbour town of Porto"
+    corpus = tmp_path / "qa.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"question": "How do I plan a weekend trip?", "answer": f"Start here. {leak.lower()}, then relax."},
+        {"question": "What is two plus two?", "answer": "Two plus two is four."},
+        {"question": leak + ".", "answer": "A clean answer to a contaminated prompt."}]))
+    m = tmp_path / "m.json"
+    m.write_text(json.dumps(manifest(local_corpus(name="qa", path=str(corpus), sha256=sha(corpus)))))
+    res = build_prompts(PromptsConfig(manifest=str(m), out=str(tmp_path / "o" / "prompts.jsonl"),
+                                      tokenizer=str(tiny_qwen3_dir), eval_set=[str(FIX / "mt_bench.jsonl")]))
+    rows = {r["prompt"]: r for r in map(json.loads, res.out.read_text().splitlines())}
+    assert set(rows) == {"How do I plan a weekend trip?", "What is two plus two?"}  # the prompt stays
+    assert "response" not in rows["How do I plan a weekend trip?"]
+    assert rows["What is two plus two?"]["response"] == "Two plus two is four."
+    stats = json.loads(res.stats_path.read_text())
+    qa = stats["corpora"]["qa"]
+    assert qa["response_contaminated"] == 1 and qa["dropped"]["contaminated"] == 1 and qa["with_response"] == 1
+    assert stats["contamination"]["responses_removed"] == 1
+    (example,) = stats["contamination"]["response_examples"]
+    assert example["index"] == 0 and example["ngram"] == " ".join(leak.lower().split()[:13])
+
+
 def test_prompts_provenance(fixture_run):
     cfg, res = fixture_run
     run_dir = res.out.parent

@@ -13,12 +13,13 @@ what each stage recorded. Every finding cites the file and the field it rests on
     RUN_DIR/model/       config, generation config, tokenizer, draft.qd4,
                          architecture.json, pack_recipe.json                       (specdraft pack)
 
-Sections: data (manifest pins, splits, sources, 13-gram contamination of prompts *and* completions against
-the evaluation prompts), traces (declared target, greedy, counts, hashes, ids), training (init model, tensor
-names/shapes, traces hash, teacher-forced labels re-scored), pack (weight file bytes/sha256 against
-architecture.json and the recipe, recipe source against the checkpoint), serve (model dir contents, strict
-load, and -- optional -- the server run in a sandbox that blocks and records outgoing connections and records
-every file it opens).
+Sections: data (manifest pins, splits, sources, 13-gram contamination of prompts, completions *and* the
+labelled reference answers trained on against the evaluation prompts), traces (declared target, greedy,
+counts, hashes, ids), training (init model, tensor names/shapes, traces hash, teacher-forced labels
+re-scored), pack (weight file bytes/sha256 against architecture.json and the recipe, recipe source against
+the checkpoint), serve (model dir contents, strict load, and -- optional -- the server run in a sandbox that
+blocks and records outgoing connections and records every file it opens; it may read only the model dir,
+Python code and package metadata, and its own temp files).
 """
 
 from __future__ import annotations
@@ -695,9 +696,14 @@ class Audit:
             texts.extend(decoded)
             labels.extend(f"completion of {t.get('id')!r} (traces.jsonl line {t['_line']})" for t in rows)
             completions = len(rows)
+        answers, answer_cite = self._labelled_answers(tok)
+        texts.extend(text for text, _ in answers)
+        labels.extend(label for _, label in answers)
         offending = ngram_overlap(texts, eval_texts, n)
-        what = f"{len(self.prompts or [])} prompts + {completions} completions"
-        cites = [self.cite(self.paths.prompts, "prompt"), self.cite(self.paths.traces, "completion_ids"), *cites]
+        what = f"{len(self.prompts or [])} prompts + {completions} completions" + (
+            f" + {len(answers)} labelled answers" if answer_cite else "")
+        cites = [self.cite(self.paths.prompts, "prompt"), self.cite(self.paths.traces, "completion_ids"),
+                 *([answer_cite] if answer_cite else []), *cites]
         if offending:
             self.add("contamination", "fail", f"{len(offending)} of {what} share a {n}-gram with the "
                                               f"{len(eval_texts)} evaluation prompts", cites,
@@ -707,9 +713,40 @@ class Audit:
                                               "prompts", cites)
         if self.traces and tok is None:
             self.add("contamination", "fail", "completions not checked: no tokenizer found (target dir, checkpoint "
-                                              "or model dir) to decode them", [self.cite(self.paths.traces)])
+                                              "or model dir) to decode them",
+                     [self.cite(self.paths.traces, "completion_ids")])
         elif tok is not None:
             self.facts["decode_tokenizer"] = {"path": str(tok[1]), "target": tok[2]}
+
+    def labels_file(self) -> Path | None:
+        """The labels.jsonl the draft was trained on (train_meta.json `labels`): the run's own copy when it has
+        one (a moved run dir), else the path training recorded; None when training used no labels."""
+        rec = (self.train_meta or {}).get("labels")
+        if not rec:
+            return None
+        path = self.paths.run_dir / "labels" / "labels.jsonl"
+        return path if path.is_file() else Path(rec.get("path") or "")
+
+    def _labelled_answers(self, tok) -> tuple[list[tuple[str, str]], dict[str, str] | None]:
+        """(text, label) of each reference answer the draft was trained on via `specdraft label`, and the
+        cite: labels.jsonl's completion_ids decoded, or -- no tokenizer -- prompts.jsonl's `response` of the
+        labelled ids. ([], None) when training used no labels."""
+        path = self.labels_file()
+        if path is None:
+            return [], None
+        if not path.is_file():
+            self.add("contamination", "fail", f"labelled answers not checked: {path} is gone",
+                     [self.cite(self.paths.train_meta, "labels.path")])
+            return [], None
+        rows = [r for r in self.jsonl(path) or [] if isinstance(r.get("completion_ids"), list)]
+        if tok is not None:
+            decoded = tok[0].batch_decode([r["completion_ids"] for r in rows], skip_special_tokens=True)
+            return ([(text, f"response of {r.get('id')!r} ({path.name} line {r['_line']})")
+                     for text, r in zip(decoded, rows)], self.cite(path, "completion_ids"))
+        ids = {str(r.get("id")) for r in rows}
+        return ([(str(r["response"]), f"response of {r.get('id')!r} (prompts.jsonl line {r['_line']})")
+                 for r in self.prompts or [] if str(r.get("id")) in ids and isinstance(r.get("response"), str)],
+                self.cite(self.paths.prompts, "response"))
 
     # ========================================================================================= traces
 
@@ -1047,9 +1084,7 @@ class Audit:
             self.add("train labels", "pass", "trained on greedy traces only (no teacher-forced labels)",
                      [self.cite(mp, "labels")])
             return
-        # The run's own copy when it has one (a moved run dir), else the path training recorded.
-        path = self.paths.run_dir / "labels" / "labels.jsonl"
-        path = path if path.is_file() else Path(rec.get("path") or "")
+        path = self.labels_file()
         if not path.is_file():
             self.add("train labels", "fail", f"the labels the draft was trained on are gone ({path})",
                      [self.cite(mp, "labels.path")])
@@ -1073,10 +1108,11 @@ class Audit:
                          lambda x: f"{x[0]} {_short(x[1])}")
         if self.paths.prompts.is_file():
             same = _get(summary, "prompts.sha256") == self.sha(self.paths.prompts)
+            # The answers' own contamination is checked in the data section, whichever file they came from.
             self.add("labels prompts", "pass" if same else "fail",
-                     "labelled answers come from this run's prompts.jsonl (so its contamination check covers them)"
-                     if same else "labelled answers come from another prompts file than this run's, whose "
-                                  "contamination check does not cover them",
+                     "labelled answers come from this run's prompts.jsonl" if same else
+                     "labelled answers come from another prompts file than this run's: its data provenance is "
+                     "not the one audited here",
                      [self.cite(sp, "prompts.sha256"), self.cite(self.paths.prompts)])
         rows = [r for r in self.jsonl(path) or [] if r.get("prompt_ids") and r.get("completion_ids")]
         model, why, field = self.rescoring_model(t.get("weights_sha256"))
@@ -1113,7 +1149,8 @@ class Audit:
             return
         files = [f for f in weight_files(ck) if f.suffix == ".safetensors"]
         if not files:
-            self.add("tensor shapes", "fail", f"{self.rel(ck)} holds no .safetensors weight file", [self.cite(ck)])
+            self.add("tensor shapes", "fail", f"{self.rel(ck)} holds no .safetensors weight file",
+                     [self.cite(ck, "directory listing")])
             return
         config = AutoConfig.from_pretrained(ck)
         arch = (config.architectures or [type(config).__name__])[0]
@@ -1278,10 +1315,11 @@ class Audit:
         if stray:
             self.add("model dir contents", "fail", f"{len(stray)} files that are not config, generation config, "
                                                    "tokenizer or weights: " + ", ".join(stray),
-                     [self.cite(md)], [f"stray: {s}" for s in stray])
+                     [self.cite(md, "directory listing")], [f"stray: {s}" for s in stray])
         else:
             self.add("model dir contents", "pass", "only " + ", ".join(present)
-                     + (f" (and the pack stage's own {', '.join(logs)})" if logs else ""), [self.cite(md)])
+                     + (f" (and the pack stage's own {', '.join(logs)})" if logs else ""),
+                     [self.cite(md, "directory listing")])
 
     def _serve_load(self) -> None:
         from .pack import load_packed_model
@@ -1291,12 +1329,13 @@ class Audit:
             _, info = load_packed_model(md)
         except (QD4Error, OSError, ValueError) as e:
             self.add("strict load", "fail", f"the strict loader refuses the model dir: {e}",
-                     [self.cite(md / "draft.qd4")])
+                     [self.cite(md / "draft.qd4", "QD04 header")])
             return
         ok = info.missing == 0 and info.unexpected == 0
         self.add("strict load", "pass" if ok else "fail",
                  f"load_packed_model: missing={info.missing} unexpected={info.unexpected}",
-                 [self.cite(md / "draft.qd4"), self.cite(md / "config.json")], info.unexpected_keys)
+                 [self.cite(md / "draft.qd4", "header tensor names"), self.cite(md / "config.json")],
+                 info.unexpected_keys)
 
     def _draft_context(self) -> list[int]:
         for t in self.traces or []:
@@ -1310,44 +1349,50 @@ class Audit:
         result = run_server_sandboxed(md, out / "serve_check.log", out / "serve_check.events.jsonl",
                                       self._draft_context(), timeout_s=self.cfg.serve_timeout_s)
         self.facts["serve_check"] = result.to_json()
-        logc = self.cite(out / "serve_check.log")
-        evc = self.cite(out / "serve_check.events.jsonl")
+        log_path, events = out / "serve_check.log", out / "serve_check.events.jsonl"
         if result.error:
-            self.add("server answers", "fail", f"sandboxed server: {result.error}", [logc],
-                     result.log_tail.splitlines()[-8:])
+            self.add("server answers", "fail", f"sandboxed server: {result.error}",
+                     [self.cite(log_path, "listening on URL")], result.log_tail.splitlines()[-8:])
         else:
             self.add("server answers", "pass", f"started on {result.url}; POST /draft returned "
-                                               f"{len(result.draft_ids)} tokens in {result.draft_seconds:.2f}s", [logc])
+                                               f"{len(result.draft_ids)} tokens in {result.draft_seconds:.2f}s",
+                     [self.cite(log_path, "listening on URL")])
+        load_cite = [self.cite(log_path, "loaded qd4 missing=.. unexpected=.. line")]
         if result.loaded is None:
-            self.add("server load", "fail", "the server log has no 'loaded qd4 missing=.. unexpected=..' line", [logc])
+            self.add("server load", "fail", "the server log has no 'loaded qd4 missing=.. unexpected=..' line",
+                     load_cite)
         else:
             ok = result.loaded == (0, 0)
             self.add("server load", "pass" if ok else "fail",
-                     f"server log: loaded qd4 missing={result.loaded[0]} unexpected={result.loaded[1]}", [logc])
-        roots = allowed_roots(md, result.python_roots, denied=[self.run_dir])
+                     f"server log: loaded qd4 missing={result.loaded[0]} unexpected={result.loaded[1]}", load_cite)
+        roots = allowed_roots(md, result.python_roots, denied=[self.run_dir], own_dirs=[result.sandbox_dir],
+                              created=result.created, absent=result.absent)
         opened = classify_opens(result.opens, roots)
         self.facts["serve_opens"] = {k: sorted(v) for k, v in opened.items()}
         net = result.network
         self.add("no network", "fail" if net else "pass",
                  f"{len(net)} network attempts blocked and recorded" if net else
                  f"no outgoing connection or name lookup (bind only: {', '.join(result.binds) or 'none'})",
-                 [evc], [json.dumps(e) for e in net])
+                 [self.cite(events, "event=connect|getaddrinfo|gethostbyname|sendto|bind|urllib")],
+                 [json.dumps(e) for e in net])
         other = sorted(opened["other"])
         writes = sorted(p for p, w in result.opens.items()
                         if w and classify_path(p, roots) != "temp" and not _under(p, "/dev"))
         self.add("files read", "fail" if other else "pass",
-                 f"{len(other)} files opened outside the model dir and the Python installation" if other else
-                 f"{len(opened['model_dir'])} files opened in the model dir; the rest in the Python installation "
-                 f"({len(opened['python'])}), /proc /sys /dev ({len(opened['system'])}) and temp dirs "
-                 f"({len(opened['temp'])})", [evc], other)
+                 f"{len(other)} files opened outside the model dir, Python code/metadata and the server's own "
+                 "temp files" if other else
+                 f"{len(opened['model_dir'])} files opened in the model dir; the rest are Python code/metadata "
+                 f"({len(opened['python'])}), /proc /sys /dev ({len(opened['system'])}) and the server's own "
+                 f"sandbox dir or files it created ({len(opened['temp'])})",
+                 [self.cite(events, "event=open")], other)
         self.add("files written", "fail" if writes else "pass",
                  f"{len(writes)} files opened for writing" if writes else
-                 "no file opened for writing (outside temp dirs and /dev)",
-                 [evc], writes)
+                 "no file opened for writing (but /dev and files the server created itself)",
+                 [self.cite(events, "event=open write=true")], writes)
         spawned = result.spawned
         self.add("no subprocess", "fail" if spawned else "pass",
-                 f"{len(spawned)} processes spawned" if spawned else "no process spawned", [evc],
-                 [json.dumps(e) for e in spawned])
+                 f"{len(spawned)} processes spawned" if spawned else "no process spawned",
+                 [self.cite(events, "event=spawn")], [json.dumps(e) for e in spawned])
 
     # ========================================================================================== report
 
@@ -1383,8 +1428,9 @@ SANDBOX_SCRIPT = textwrap.dedent('''\
     """specdraft audit sandbox: run a module with outgoing sockets blocked and every open recorded.
 
     usage: python sandbox.py EVENTS.jsonl -- MODULE ARG...
-    One JSON object per line goes to EVENTS.jsonl: {"event": "open", "path", "write"}, {"event": "connect"|
-    "getaddrinfo"|"sendto"|"bind", ...}, {"event": "spawn", ...}, and first {"event": "start", "python_roots"}.
+    One JSON object per line goes to EVENTS.jsonl: {"event": "open", "path", "write", "created", "missing"},
+    {"event": "connect"|"getaddrinfo"|"sendto"|"bind", ...}, {"event": "spawn", ...}, and first {"event": "start",
+    "python_roots", "sandbox_dir"}.
     """
     import ipaddress
     import json
@@ -1442,7 +1488,7 @@ SANDBOX_SCRIPT = textwrap.dedent('''\
     roots.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
     roots.add(site.getusersitepackages() if hasattr(site, "getusersitepackages") else "")
     emit({"event": "start", "pid": os.getpid(), "cwd": os.getcwd(), "python_roots": sorted(r for r in roots if r),
-          "module": module, "args": args})
+          "sandbox_dir": os.path.dirname(os.path.abspath(__file__)), "module": module, "args": args})
 
 
     def hook(event, hargs):
@@ -1456,7 +1502,11 @@ SANDBOX_SCRIPT = textwrap.dedent('''\
                 p = repr(path)
             write = bool(isinstance(mode, str) and any(c in mode for c in "wax+")) or \\
                 bool(isinstance(flags, int) and flags & WRITE_FLAGS)
-            emit({"event": "open", "path": p, "write": write})
+            # The hook runs before the open: a file absent now and opened for writing is one the server creates
+            # (its own scratch file, not data it found); absent and opened for reading, a probe that reads nothing.
+            exists = os.path.exists(p)
+            emit({"event": "open", "path": p, "write": write, "created": write and not exists,
+                  "missing": not write and not exists})
         elif event == "socket.connect":
             sock, addr = hargs
             host, rendered = address(addr)
@@ -1512,6 +1562,9 @@ class SandboxResult:
     binds: list[str] = field(default_factory=list)
     spawned: list[dict] = field(default_factory=list)
     python_roots: list[str] = field(default_factory=list)
+    sandbox_dir: str | None = None  # the server's own working dir
+    created: set[str] = field(default_factory=set)  # files the server created itself
+    absent: set[str] = field(default_factory=set)  # paths that did not exist at any of their opens
     returncode: int | None = None
     seconds: float = 0.0
     log_tail: str = ""
@@ -1525,6 +1578,7 @@ class SandboxResult:
 def read_sandbox_events(path: Path, result: SandboxResult) -> None:
     if not path.is_file():
         return
+    existed: set[str] = set()  # paths some open found on disk
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             e = json.loads(line)
@@ -1533,8 +1587,16 @@ def read_sandbox_events(path: Path, result: SandboxResult) -> None:
         kind = e.get("event")
         if kind == "start":
             result.python_roots = list(e.get("python_roots") or [])
+            result.sandbox_dir = e.get("sandbox_dir")
         elif kind == "open":
-            result.opens[e["path"]] = result.opens.get(e["path"], False) or bool(e.get("write"))
+            p = e["path"]
+            result.opens[p] = result.opens.get(p, False) or bool(e.get("write"))
+            if e.get("created"):
+                result.created.add(p)
+            if e.get("missing"):
+                result.absent.add(p)
+            else:
+                existed.add(p)
         elif kind == "bind":
             result.binds.append(str(e.get("address")))
             if e.get("blocked"):
@@ -1543,6 +1605,7 @@ def read_sandbox_events(path: Path, result: SandboxResult) -> None:
             result.network.append(e)
         elif kind == "spawn":
             result.spawned.append(e)
+    result.absent -= existed
 
 
 def start_sandboxed(module: str, args: list[str], events: Path, log_path: Path, cwd: Path | None = None,
@@ -1643,29 +1706,57 @@ def run_server_sandboxed(model_dir: Path, log_path: Path, events: Path, context:
     return result
 
 
-def allowed_roots(model_dir: Path, python_roots: Iterable[str],
-                  denied: Iterable[str | os.PathLike] = ()) -> dict[str, list[str]]:
-    """Where the server may read: the model dir; the Python installation (and specdraft's own package dir,
-    which an editable install keeps outside it); /proc, /sys, /dev; temp dirs. ``denied`` (the run dir) is
-    never allowed outside the model dir, even when it lies in a temp dir."""
+def allowed_roots(model_dir: Path, python_roots: Iterable[str], denied: Iterable[str | os.PathLike] = (),
+                  own_dirs: Iterable[str | os.PathLike | None] = (), created: Iterable[str] = (),
+                  absent: Iterable[str] = ()) -> dict[str, list[str]]:
+    """Where the server may read: the model dir; code and package metadata of the Python installation (and of
+    specdraft's own package dir, which an editable install keeps outside it); /proc, /sys, /dev but /dev/shm;
+    its own sandbox dir (``own_dirs``) and the files it created itself (``created``). No other temp file: a
+    table left in /tmp is data the model dir does not declare. ``absent`` (paths no open found on disk: import
+    probes) are harmless inside the Python roots. ``denied`` (the run dir) is never allowed outside the model
+    dir, even when it lies in a temp dir."""
     import specdraft
     python = {os.path.realpath(p) for p in python_roots if p}
     python |= {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
     python.add(os.path.realpath(Path(specdraft.__file__).parent))
-    temp = {os.path.realpath(p) for p in (tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm")}
     return {"model_dir": [os.path.realpath(model_dir)], "denied": sorted(os.path.realpath(d) for d in denied),
-            "python": sorted(python), "system": ["/proc", "/sys", "/dev"], "temp": sorted(temp)}
+            "python": sorted(python), "system": ["/proc", "/sys", "/dev"], "not_system": ["/dev/shm"],
+            "temp": sorted(os.path.realpath(d) for d in own_dirs if d), "created": sorted(created),
+            "absent": sorted(absent)}
+
+
+# What an import reads inside the Python roots: code, and package metadata (importlib.metadata, entry points).
+PYTHON_CODE = re.compile(r"\.(py|pyc|pyd|pth|typed)$|\.so(\.\d+)*$")
+PYTHON_METADATA_DIR = re.compile(r"/[^/]+\.(dist|egg)-info(/|$)")
 
 
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+def _python_file(path: str, absent: bool) -> bool:
+    """A file an import may read: code or package metadata; or a probe of a path that did not exist."""
+    return absent or bool(PYTHON_CODE.search(path) or PYTHON_METADATA_DIR.search(path))
+
+
 def classify_path(path: str, roots: dict[str, list[str]]) -> str:
+    """model_dir | python | system | temp (the server's own) | other (a finding)."""
     real = os.path.realpath(path)
-    for kind in ("model_dir", "denied", "python", "system", "temp"):
-        if any(_under(p, r) for r in roots.get(kind, ()) for p in (path, real)):
-            return "other" if kind == "denied" else kind
+    forms = (path, real)
+
+    def under(kind: str) -> bool:
+        return any(_under(p, r) for r in roots.get(kind, ()) for p in forms)
+    if under("model_dir"):
+        return "model_dir"
+    if under("denied"):
+        return "other"
+    if path in roots.get("created", ()) or under("temp"):
+        return "temp"
+    if under("system") and not under("not_system"):
+        return "system"
+    if under("python"):
+        absent = path in roots.get("absent", ())
+        return "python" if all(_python_file(p, absent) for p in forms) else "other"
     return "other"
 
 

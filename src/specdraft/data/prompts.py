@@ -3,6 +3,8 @@
 Order of the filters (each drop is counted per corpus under its reason):
   malformed -> no_prompt -> empty -> too_long (target tokenizer) -> contaminated (13-gram vs eval sets)
   -> duplicate (exact, after whitespace collapse) -> near_duplicate (MinHash LSH) -> over_quota.
+A clean prompt whose reference answer shares an n-gram with the eval sets keeps the prompt but loses the answer
+(`specdraft label` trains on answers), counted per corpus as response_contaminated.
 Earlier corpora in the manifest win duplicates. Quotas are sampled per corpus with a seeded RNG.
 """
 
@@ -80,6 +82,7 @@ class CorpusStats:
     kept: int = 0
     tokens: int = 0  # prompt tokens of the kept prompts
     with_response: int = 0  # kept prompts that carry the record's reference answer
+    response_contaminated: int = 0  # answers removed for an eval n-gram (counted before dedup and quotas)
     dropped: Counter = field(default_factory=Counter)
     malformed_examples: list[str] = field(default_factory=list)
     source: dict[str, Any] = field(default_factory=dict)
@@ -88,6 +91,7 @@ class CorpusStats:
         shortfall = max(0, self.requested - self.kept) if self.requested is not None else 0
         return {"kind": self.kind, "read": self.read, "kept": self.kept, "requested": self.requested,
                 "shortfall": shortfall, "prompt_tokens": self.tokens, "with_response": self.with_response,
+                "response_contaminated": self.response_contaminated,
                 "dropped": {r: self.dropped.get(r, 0) for r in DROP_REASONS},
                 "malformed_examples": self.malformed_examples, **self.source}
 
@@ -133,6 +137,7 @@ def _build(cfg: PromptsConfig, out: Path) -> PromptsResult:
 
     # contamination against the evaluation sets
     contamination_examples: list[dict[str, Any]] = []
+    response_examples: list[dict[str, Any]] = []
     if eval_texts:
         offending = ngram_overlap([c.text for c in candidates], eval_texts, cfg.contamination_ngram)
         bad = [False] * len(candidates)
@@ -144,6 +149,7 @@ def _build(cfg: PromptsConfig, out: Path) -> PromptsResult:
         candidates = _drop(candidates, bad, "contaminated", stats)
         log.info("contamination: %d prompts share a %d-gram with the eval sets", len(offending),
                  cfg.contamination_ngram)
+        response_examples = _strip_contaminated_responses(candidates, eval_texts, cfg.contamination_ngram, stats)
 
     # exact duplicates after whitespace collapse (earlier corpora win)
     seen: set[str] = set()
@@ -203,6 +209,8 @@ def _build(cfg: PromptsConfig, out: Path) -> PromptsResult:
             "eval_prompts": len(eval_texts),
             "dropped": dropped_total.get("contaminated", 0),
             "examples": contamination_examples,
+            "responses_removed": sum(st.response_contaminated for st in stats.values()),
+            "response_examples": response_examples,
         },
         "provenance": {
             "manifest": {
@@ -320,6 +328,24 @@ def _keep_texts(st: CorpusStats, texts: list[tuple[int, str, str | None]]) -> li
         response = response.strip() if response else None  # kept verbatim inside: code needs its layout
         out.append(Candidate(st.name, index, text, response=response or None))
     return out
+
+
+def _strip_contaminated_responses(candidates: list[Candidate], eval_texts: list[str], n: int,
+                                  stats: dict[str, CorpusStats]) -> list[dict[str, Any]]:
+    """Remove the reference answers that share an n-gram with the eval sets (the prompt stays: it is clean);
+    returns up to MAX_REPORTED examples."""
+    answered = [c for c in candidates if c.response is not None]
+    examples = []
+    for i, gram in ngram_overlap([c.response for c in answered], eval_texts, n):
+        c = answered[i]
+        c.response = None
+        stats[c.corpus].response_contaminated += 1
+        if len(examples) < MAX_REPORTED:
+            examples.append({"source": c.corpus, "index": c.index, "ngram": gram})
+    if answered:
+        log.info("contamination: %d reference answers share a %d-gram with the eval sets (removed, prompts kept)",
+                 sum(st.response_contaminated for st in stats.values()), n)
+    return examples
 
 
 def _token_lengths(spec: str, texts: list[str]) -> tuple[dict[str, Any], list[int]]:
