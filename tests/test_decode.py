@@ -35,13 +35,22 @@ def test_cached_equals_naive(tiny_model_dir, kv_cache):
         assert fast.tokens == ref.tokens
 
 
-def test_left_padded_batch_equals_single_rows(tiny_model_dir):
+def test_left_padded_batch_equals_single_rows(tiny_model_dir, monkeypatch):
     model = _load(tiny_model_dir)
     prompts = _prompts(model.config.vocab_size, [3, 20, 1, 9, 14], seed=1)
-    batched = draft_batch(model, prompts, 10)
     single = [draft_batch(model, [p], 10)[0] for p in prompts]
-    assert batched == single
-    assert all(len(row) == 10 for row in batched)
+    assert draft_batch(model, prompts, 10) == single
+    assert all(len(row) == 10 for row in single)
+    # The default padding cap prefills such different lengths one by one; lift it so that all five rows
+    # share one left-padded prefill (checked), then decode side by side.
+    groups = []
+    admit = SlotDecoder.admit
+    monkeypatch.setattr(SlotDecoder, "admit", lambda self, idx, ps: (groups.append(len(idx)), admit(self, idx, ps))[1])
+    padded = dict(iter_greedy(model, prompts, 10, stop_at_eos=False, max_padding=1.0, kv_cache="static"))
+    assert groups == [5]
+    assert [padded[i].tokens for i in range(5)] == single
+    dynamic = greedy_decode(model, prompts, 10, stop_at_eos=False, kv_cache="dynamic")  # always one padded batch
+    assert [g.tokens for g in dynamic] == single
 
 
 def test_eos_stops_rows_independently(tiny_model_dir):
@@ -112,17 +121,36 @@ def test_slot_engine_support_and_arguments(tiny_llama_dir):
         decoder.admit([1], [[5]])
 
 
+@pytest.mark.gpu
+def test_tiny_qwen3_on_cuda_cached_and_batched_equal_naive(tiny_qwen3_dir):
+    model = _load(tiny_qwen3_dir).to("cuda")
+    prompts = _prompts(model.config.vocab_size, [3, 20, 1, 9], seed=5)
+    naive = [naive_greedy(model, p, 10, stop_at_eos=False).tokens for p in prompts]
+    for kv_cache in ("static", "dynamic"):
+        single = [greedy_decode(model, [p], 10, stop_at_eos=False, kv_cache=kv_cache)[0].tokens for p in prompts]
+        assert single == naive
+        batched = dict(iter_greedy(model, prompts, 10, stop_at_eos=False, kv_cache=kv_cache, max_padding=1.0))
+        assert [batched[i].tokens for i in range(len(prompts))] == naive
+
+
 @pytest.mark.slow
 def test_smollm2_batched_equals_single_and_naive():
     from specdraft.models import DEFAULT_TARGET, load_model, load_tokenizer
 
     model, tok = load_model(DEFAULT_TARGET), load_tokenizer(DEFAULT_TARGET)
     texts = ["What is the capital of France?", "Write a haiku about the sea.",
-             "def fibonacci(n):"]
+             "def fibonacci(n):",
+             "Summarise this in one sentence: " + " ".join(["The committee met on Tuesday to review the budget, "
+                                                            "the hiring plan and the schedule for the new office."]
+                                                           * 6)]
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                        tokenize=False) for t in texts]
     prompts = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+    assert len(prompts[3]) > 3 * max(map(len, prompts[:3]))  # one clearly longer prompt
     naive = [naive_greedy(model, p, 12) for p in prompts]
-    assert greedy_decode(model, prompts, 12) == naive  # one batch
-    assert greedy_decode(model, prompts, 12, batch_size=2) == naive  # a slot refilled mid-run
-    assert [greedy_decode(model, [p], 12)[0] for p in prompts] == naive  # alone
+    for kv_cache in ("static", "dynamic"):
+        assert greedy_decode(model, prompts, 12, kv_cache=kv_cache) == naive  # one batch
+        assert greedy_decode(model, prompts, 12, batch_size=2, kv_cache=kv_cache) == naive  # slot refill / groups
+        assert [greedy_decode(model, [p], 12, kv_cache=kv_cache)[0] for p in prompts] == naive  # alone
+    padded = dict(iter_greedy(model, prompts, 12, max_padding=1.0))  # all four in one left-padded prefill
+    assert [padded[i] for i in range(len(prompts))] == naive

@@ -1,4 +1,7 @@
 import json
+import os
+import shutil
+import threading
 import time
 
 import pytest
@@ -45,11 +48,30 @@ def test_hub_spec_resolves_from_the_local_cache_offline(tmp_path, monkeypatch):
         resolve_model(f"hub:acme/tiny@{other}")
 
 
-def test_local_directory_needs_a_config(tmp_path):
+def test_local_directory_needs_config_weights_and_tokenizer(tmp_path, tiny_qwen3_dir):
     with pytest.raises(ModelSpecError, match="no such directory"):
         resolve_model(tmp_path / "missing")
     with pytest.raises(ModelSpecError, match="config.json is missing"):
         resolve_model(tmp_path)
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_qwen3_dir, model_dir)
+    assert resolve_model(model_dir) == model_dir
+    (model_dir / "tokenizer.json").unlink()
+    with pytest.raises(ModelSpecError, match=r"no tokenizer \(tokenizer.json"):
+        resolve_model(model_dir)
+    shutil.copy(tiny_qwen3_dir / "tokenizer.json", model_dir)
+    weights = model_dir / "model.safetensors"
+    weights.rename(model_dir / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelSpecError, match="shards that are missing: model-00002-of-00002.safetensors"):
+        resolve_model(model_dir)
+    (model_dir / "model.safetensors.index.json").unlink()
+    (model_dir / "model-00001-of-00002.safetensors").unlink()
+    with pytest.raises(ModelSpecError, match="no weights"):
+        resolve_model(model_dir)
+    (model_dir / "draft.qd4").write_bytes(b"QD04")  # a packed model dir (specdraft pack) is complete too
+    assert resolve_model(model_dir) == model_dir
 
 
 def test_missing_embedded_package_names_the_pip_command(monkeypatch):
@@ -66,6 +88,86 @@ def test_model_summary_of_a_tiny_model(tiny_qwen3_dir):
     assert s["chat_template"] is True and s["tied_embeddings"] is True
     model = models.load_model(tiny_qwen3_dir)
     assert s["parameters"] == sum(p.numel() for p in model.parameters())
+
+
+def test_models_show_cli(tiny_qwen3_dir, capsys):
+    from specdraft.cli import main
+
+    assert main(["models", "show", str(tiny_qwen3_dir), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["layers"], shown["vocab"], shown["path"]) == (2, 320, str(tiny_qwen3_dir))
+    assert main(["models", "show", str(tiny_qwen3_dir)]) == 0
+    assert "layers" in capsys.readouterr().out
+    assert main(["models", "show", "hub:a/b"]) == 2
+    assert "not pinned" in capsys.readouterr().err
+
+
+def _fake_embedded(monkeypatch, tmp_path, tiny_dir, on_load=None):
+    """An embedded model whose 'GGUF' is a dummy file and whose GGUF loaders read the tiny model instead, so
+    that the real conversion (fresh model from the config, load_state_dict, save_pretrained) runs fast."""
+    import transformers
+
+    gguf = tmp_path / "pkg" / "fake.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"not really a gguf")
+    monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(models, "embedded_gguf_path", lambda name: gguf)
+    loads = []
+    for cls in (transformers.AutoConfig, transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
+        def from_gguf(path, *args, gguf_file=None, _original=cls.from_pretrained, _cls=cls, **kwargs):
+            if gguf_file is not None and _cls is transformers.AutoModelForCausalLM:
+                loads.append(gguf_file)
+                if on_load:
+                    on_load()
+            return _original(tiny_dir, *args, **kwargs)
+        monkeypatch.setattr(cls, "from_pretrained", from_gguf)
+    sha = models.sha256_file(gguf)
+    return tmp_path / "home" / "models" / f"smollm2-135m-instruct-{sha[:12]}", loads
+
+
+def test_concurrent_first_conversions_leave_one_complete_cache(tmp_path, monkeypatch, tiny_qwen3_dir):
+    # transformers' loading is not thread-safe (a process-global meta-device context), so the two threads
+    # load one after the other, then meet just before the rename: that race is the one the cache must survive.
+    loading, both_converted = threading.Lock(), threading.Barrier(2, timeout=60)
+    target, loads = _fake_embedded(monkeypatch, tmp_path, tiny_qwen3_dir, on_load=loading.acquire)
+    rename = os.rename
+
+    def rename_together(src, dst):
+        loading.release()
+        both_converted.wait()
+        rename(src, dst)
+
+    monkeypatch.setattr(models.os, "rename", rename_together)
+    results, errors = [], []
+
+    def first_call():
+        try:
+            results.append(resolve_model(models.DEFAULT_TARGET))
+        except BaseException as e:  # reported below, not lost in the thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=first_call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and results == [target, target]
+    assert len(loads) == 2  # both converted; one rename won, the loser dropped its copy
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temp dir left behind
+    record = json.loads((target / models.CONVERSION_RECORD).read_text())
+    assert record["gguf_sha256"] == models.sha256_file(tmp_path / "pkg" / "fake.gguf")
+    assert models.missing_model_files(target) == []
+    assert resolve_model(models.DEFAULT_TARGET) == target and len(loads) == 2  # a cache hit converts nothing
+
+
+def test_existing_target_without_a_record_is_left_alone(tmp_path, monkeypatch, tiny_qwen3_dir):
+    target, _ = _fake_embedded(monkeypatch, tmp_path, tiny_qwen3_dir)
+    target.mkdir(parents=True)
+    (target / "mine.txt").write_text("not a conversion")
+    with pytest.raises(ModelSpecError, match=f"exists without {models.CONVERSION_RECORD}"):
+        resolve_model(models.DEFAULT_TARGET)
+    assert [p.name for p in target.iterdir()] == ["mine.txt"]
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # our temp copy was removed
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdraft.decode import greedy_decode, naive_greedy
+from specdraft.decode import Generation, greedy_decode, naive_greedy
 from specdraft.traces import (TracesConfig, TracesError, ValidationConfig, VLLMBackend, encode_prompts,
                               evaluation_points, parse_shard, read_prompts, repair_jsonl, run_traces,
                               run_validation, vllm_generation)
@@ -261,6 +261,35 @@ def test_vllm_backend_maps_requests_and_outputs(tiny, tmp_path):
         assert (row["completion_ids"], row["finish_reason"]) == expect
 
 
+def test_vllm_eos_set_joins_tokenizer_and_generation_config(tiny, tmp_path):
+    """The generation config names one EOS and the tokenizer another: vLLM stops at both, and a stop on the
+    tokenizer's EOS keeps that token as the last one (no second EOS appended)."""
+    path, _, tok = tiny
+    model_dir = tmp_path / "model"
+    shutil.copytree(path, model_dir)
+    tokenizer_eos, config_eos = tok.eos_token_id, tok.pad_token_id
+    gen_config = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**gen_config, "eos_token_id": config_eos}))
+    module, made = _fake_vllm(tokenizer_eos)
+    backend = VLLMBackend(str(model_dir), tensor_parallel_size=1, chunk=8, vllm_module=module)
+    assert backend.eos_ids() == {tokenizer_eos, config_eos}
+    (_, gen), = backend.generate([[3, 4, 5]], 4)  # FakeLLM: stopped at its EOS, token in the output
+    assert (gen.tokens, gen.finish_reason) == ([5, 6, tokenizer_eos], "eos")
+    assert made["llm"].calls[0][1].stop_token_ids == sorted({tokenizer_eos, config_eos})
+
+    def stopped(token_ids, stop_reason):
+        out = SimpleNamespace(outputs=[SimpleNamespace(token_ids=token_ids, finish_reason="stop",
+                                                       stop_reason=stop_reason)])
+        return vllm_generation(out, backend.eos_ids(), tokenizer_eos).tokens
+
+    assert stopped([5, tokenizer_eos], None) == [5, tokenizer_eos]
+    assert stopped([5, config_eos], config_eos) == [5, config_eos]
+    assert stopped([5], config_eos) == [5, config_eos]  # a stop token id left out of the output
+    assert stopped([5], None) == [5, tokenizer_eos]  # vLLM's own EOS check, token left out
+    with pytest.raises(RuntimeError, match="without an EOS"):
+        stopped([5], "a stop string")
+
+
 def test_vllm_generation_rejects_aborted():
     out = SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1], finish_reason="abort")])
     with pytest.raises(RuntimeError, match="abort"):
@@ -313,3 +342,37 @@ def test_validation_points_follow_the_greedy_continuation(tiny, tmp_path):
     run_validation(cfg)
     again = _rows(out)
     assert sorted((r["id"], r["offset"]) for r in again) == sorted((r["id"], r["offset"]) for r in rows)
+
+
+class _ShortOrLongBackend:
+    """A fake backend: 3 tokens (too few for a point) for the prompts in ``short``, 8 for the others."""
+
+    name = "fake"
+
+    def __init__(self, short: set[tuple[int, ...]], summary: Path):
+        self.short, self.summary, self.decoded = short, summary, []
+
+    def generate(self, prompts, max_new_tokens):
+        for i, p in enumerate(prompts):
+            self.decoded.append(tuple(p))
+            n = 3 if tuple(p) in self.short else 8
+            yield i, Generation(list(range(100, 100 + n)), "eos")
+        # Before the run ends, the summary already names the point-less prompts (a kill keeps them).
+        assert json.loads(self.summary.read_text())["ids_without_points"] == ["1"]
+
+
+def test_validation_remembers_prompts_without_points(tiny, tmp_path):
+    path, _, tok = tiny
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": TEXTS[i]}) + "\n" for i in range(3)))
+    ids = encode_prompts(tok, TEXTS[:3])
+    out = tmp_path / "validation.jsonl"
+    cfg = ValidationConfig(target=str(path), prompts=prompts, out=out, max_new_tokens=8, num_draft=4)
+    first = _ShortOrLongBackend({tuple(ids[1])}, tmp_path / "validation.summary.json")
+    res = run_validation(cfg, backend=first)
+    assert len(first.decoded) == 3 and sorted({r["id"] for r in _rows(out)}) == ["0", "2"]
+    assert res.summary_data["ids_without_points"] == ["1"] and res.summary_data["prompts_without_points"] == 1
+    again = _ShortOrLongBackend(set(), tmp_path / "validation.summary.json")
+    res = run_validation(cfg, backend=again)
+    assert again.decoded == [] and res.new_prompts == 0  # prompt 1 is not decoded again
+    assert res.summary_data["ids_without_points"] == ["1"]

@@ -68,9 +68,34 @@ def resolve_model(spec: str | os.PathLike) -> Path:
     if not path.is_dir():
         raise ModelSpecError(f"model spec {spec!r}: no such directory (use a local HF directory, "
                              "hub:ORG/NAME@REVISION or embedded:NAME)")
-    if not (path / "config.json").is_file():
-        raise ModelSpecError(f"model spec {spec!r}: {path}/config.json is missing")
+    missing = missing_model_files(path)
+    if missing:
+        raise ModelSpecError(f"model spec {spec!r}: {path} is not a complete model directory: "
+                             + "; ".join(missing))
     return path
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+PACKED_WEIGHTS = "draft.qd4"  # a packed model dir (specdraft.pack) holds this instead of safetensors
+
+
+def missing_model_files(path: Path) -> list[str]:
+    """What a local model directory lacks (config, weights, tokenizer); empty when it is complete."""
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json is missing")
+    if not (weight_files(path) or (path / PACKED_WEIGHTS).is_file()):
+        missing.append(f"no weights (*.safetensors, *.bin or {PACKED_WEIGHTS})")
+    for index in SHARD_INDEXES:
+        if (path / index).is_file():
+            shards = sorted(set((read_json(path / index).get("weight_map") or {}).values()))
+            absent = [s for s in shards if not (path / s).is_file()]
+            if absent:
+                missing.append(f"{index} lists shards that are missing: {', '.join(absent)}")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        missing.append(f"no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    return missing
 
 
 def parse_hub_spec(spec: str) -> tuple[str, str]:
@@ -174,10 +199,12 @@ def _convert_gguf(spec: str, gguf: Path, gguf_sha: str, target: Path) -> Path:
         })
         try:
             os.rename(tmp, target)
-        except OSError:
-            # Another process finished first: keep its directory, drop ours.
+        except OSError as e:
             if not (target / CONVERSION_RECORD).is_file():
-                raise
+                # Not a conversion of ours (those appear whole, record included): leave it to the user.
+                raise ModelSpecError(f"model spec {spec!r}: {target} exists without {CONVERSION_RECORD}; "
+                                     "remove that directory and rerun to convert again") from e
+            # Another process finished first: keep its directory, drop ours.
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

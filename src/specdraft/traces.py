@@ -7,7 +7,8 @@ traces      prompts.jsonl -> traces.jsonl, one line per prompt:
 validation  held-out prompts (MT-bench ``turns[0]``, or prompts.jsonl) -> evaluation points, one line each:
             {"id", "category", "offset", "context_ids", "target_ids"}: the context is the templated prompt
             plus the target's greedy continuation up to ``offset`` (0, 16, 32, ...), the target the next
-            ``num_draft`` greedy tokens. Acceptance is measured on this file.
+            ``num_draft`` greedy tokens. Acceptance is measured on this file. Prompts too short for one
+            point are listed in the summary (``ids_without_points``) and not decoded again on a rerun.
 
 Prompts are wrapped in the target's chat template (``add_generation_prompt=True``,
 ``enable_thinking=False``); a target without a template gets the raw prompt (logged). Decoding is greedy
@@ -303,7 +304,9 @@ class VLLMBackend:
             model=str(path), tokenizer=str(path), dtype="float32", tensor_parallel_size=tensor_parallel_size,
             seed=0)
         self.chunk = chunk
-        self._eos = _eos_from_model_dir(path)
+        # vLLM stops at the tokenizer's EOS and at every generation-config EOS (stop_token_ids): know both.
+        self._tokenizer_eos = _tokenizer_eos(path)
+        self._eos = _eos_from_model_dir(path) | ({self._tokenizer_eos} if self._tokenizer_eos is not None else set())
 
     def eos_ids(self) -> set[int]:
         return set(self._eos)
@@ -322,12 +325,16 @@ class VLLMBackend:
             if len(outputs) != len(requests):
                 raise RuntimeError(f"vllm returned {len(outputs)} outputs for {len(requests)} requests")
             for i, out in zip(idx, outputs):
-                yield i, vllm_generation(out, self._eos)
+                yield i, vllm_generation(out, self._eos, self._tokenizer_eos)
 
 
-def vllm_generation(request_output: Any, eos: set[int]) -> Generation:
+def vllm_generation(request_output: Any, eos: set[int], tokenizer_eos: int | None = None) -> Generation:
     """A vLLM RequestOutput (``.outputs[0].token_ids``, ``.finish_reason`` stop|length) as a Generation whose
-    tokens end with the EOS when it stopped there, like the hf backend."""
+    tokens end with the EOS when it stopped there, like the hf backend.
+
+    ``eos``: every id vLLM stops at (the tokenizer's EOS and the generation config's). vLLM reports a stop
+    token id in ``stop_reason`` and its own EOS check (``tokenizer_eos``) as ``stop_reason=None``; an EOS is
+    appended only when the output says it stopped on one and the token is not already its last."""
     completion = request_output.outputs[0]
     tokens = [int(t) for t in completion.token_ids]
     reason = completion.finish_reason
@@ -335,15 +342,15 @@ def vllm_generation(request_output: Any, eos: set[int]) -> Generation:
         return Generation(tokens, "length")
     if reason != "stop":
         raise RuntimeError(f"vllm request finished with {reason!r} (expected stop or length)")
-    if not tokens or tokens[-1] not in eos:
-        stop = getattr(completion, "stop_reason", None)
-        if isinstance(stop, int) and stop in eos:
-            tokens.append(stop)
-        elif len(eos) == 1:
-            tokens.append(next(iter(eos)))
-        else:
-            raise RuntimeError(f"vllm stopped without an EOS token in its output (stop_reason={stop!r})")
-    return Generation(tokens, "eos")
+    if tokens and tokens[-1] in eos:
+        return Generation(tokens, "eos")
+    stop = getattr(completion, "stop_reason", None)
+    if isinstance(stop, int) and stop in eos:
+        return Generation(tokens + [stop], "eos")
+    if stop is None and tokenizer_eos is not None:
+        return Generation(tokens + [tokenizer_eos], "eos")
+    raise RuntimeError(f"vllm stopped without an EOS token in its output (last token "
+                       f"{tokens[-1] if tokens else None}, stop_reason={stop!r}, EOS ids {sorted(eos)})")
 
 
 def _eos_from_model_dir(path: Path) -> set[int]:
@@ -354,6 +361,12 @@ def _eos_from_model_dir(path: Path) -> set[int]:
             if eos is not None:
                 return set(eos) if isinstance(eos, list) else {int(eos)}
     return set()
+
+
+def _tokenizer_eos(path: Path) -> int | None:
+    from transformers import AutoTokenizer
+    eos = AutoTokenizer.from_pretrained(path).eos_token_id
+    return None if eos is None else int(eos)
 
 
 def _backend_info(backend: Any) -> dict[str, Any]:
@@ -563,6 +576,16 @@ def _trace_totals(path: Path, selected: set[str]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ validation
 
+def _ids_without_points(summary_path: Path, key: dict[str, Any]) -> set[str]:
+    """Ids an earlier run with the same settings decoded and found too short for a point."""
+    if not summary_path.is_file():
+        return set()
+    previous = read_json(summary_path)
+    if previous.get("resume_key") != key:
+        return set()
+    return set(previous.get("ids_without_points") or [])
+
+
 def evaluation_points(completion: Sequence[int], num_draft: int) -> list[int]:
     """Offsets 0, n, 2n, ... at which ``num_draft`` tokens of the continuation remain."""
     return list(range(0, len(completion) - num_draft + 1, num_draft))
@@ -604,14 +627,19 @@ def _run_validation(cfg: ValidationConfig, out: Path, summary_path: Path, log_pa
     key = _resume_key(target, cfg, template, {"num_draft": cfg.num_draft,
                                               "tokenizer": tokenizer_fingerprint(tokenizer)})
     _check_resume(summary_path, out, key, len(done))
-    todo = [r for r in records if r.id not in done]
+    # Prompts whose continuation is too short for one point write no line: remember them, or every rerun
+    # would decode them again.
+    no_points = _ids_without_points(summary_path, key)
+    todo = [r for r in records if r.id not in done and r.id not in no_points]
     base = {"stage": "validation", "target": target,
             "eval": {"path": str(cfg.prompts), "sha256": sha256_file(cfg.prompts), "records": total_in_file,
                      "selected": len(records)},
             "chat_template": template, "num_draft": cfg.num_draft, "config": cfg.to_json_dict(), "resume_key": key}
-    atomic_write_json(summary_path, {**base, "status": "running", "run": run_metadata()})
-    log.info("validation: %d prompts selected, %d already in %s, %d to decode", len(records),
-             len(done & {r.id for r in records}), out, len(todo))
+    running = {**base, "status": "running", "run": run_metadata()}
+    atomic_write_json(summary_path, {**running, "ids_without_points": sorted(no_points)})
+    log.info("validation: %d prompts selected, %d already in %s, %d known to give no point, %d to decode",
+             len(records), len(done & {r.id for r in records}), out, len(no_points & {r.id for r in records}),
+             len(todo))
 
     this_run: dict[str, Any] = {"prompts": 0}
     if todo:
@@ -627,6 +655,9 @@ def _run_validation(cfg: ValidationConfig, out: Path, summary_path: Path, log_pa
                 if lines:
                     f.write("\n".join(lines) + "\n")  # one prompt's points in one write
                     f.flush()
+                else:
+                    no_points.add(rec.id)  # recorded at once, so that a killed run keeps it too
+                    atomic_write_json(summary_path, {**running, "ids_without_points": sorted(no_points)})
                 progress.update(len(ids[i]), len(cont))
             os.fsync(f.fileno())
         this_run = {**progress.close(), **_backend_info(backend)}
@@ -640,6 +671,7 @@ def _run_validation(cfg: ValidationConfig, out: Path, summary_path: Path, log_pa
         categories[obj["category"]] += 1
     summary = {**base, "status": "complete", "points": points, "prompts": len(prompts_with_points),
                "prompts_without_points": len({r.id for r in records} - prompts_with_points),
+               "ids_without_points": sorted(no_points),
                "points_per_category": dict(sorted(categories.items())),
                "this_run": {**this_run, "peak_rss_mb": _peak_rss_mb()}, "backend": cfg.backend,
                "wall_s": round(time.time() - started, 3), "run": run_metadata(), "log": str(log_path),
