@@ -146,36 +146,40 @@ def test_tokenizer_mismatch_is_refused(tiny_traces, tiny_target, tmp_path):
         run_train(_cfg(tiny_traces, tiny_target, tmp_path / "x", init=str(other)))
 
 
-def test_qat_layers_compute_on_the_packed_weights_and_still_learn(tiny_target):
+def test_qat_computes_on_the_packed_weights_and_still_learns(tiny_target):
     from specdraft import qd4
     from specdraft.train import enable_qat
     model = AutoModelForCausalLM.from_pretrained(tiny_target)
-    model.get_input_embeddings().weight.requires_grad_(False)  # the tied head stays float, as in training
+    model.get_input_embeddings().weight.requires_grad_(False)  # frozen, as in training: quantised once
+    model.model.layers[0].requires_grad_(False)  # a frozen layer is packed too, so it computes quantised
     reference = AutoModelForCausalLM.from_pretrained(tiny_target)
     with torch.no_grad():
-        for name, module in reference.named_modules():
-            if isinstance(module, torch.nn.Linear) and module.weight is not reference.get_input_embeddings().weight:
+        for module in reference.modules():  # every linear layer and the (tied) embedding, as the packer does
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
                 module.weight.copy_(qd4.fake_quantize(module.weight, 32))
-    assert enable_qat(model, 32) == 4 * 7  # q, k, v, o, gate, up, down in each of 4 layers; not the head
+    assert enable_qat(model, 32) == 4 * 7 + 2  # q, k, v, o, gate, up, down in each of 4 layers; embedding, head
     ids = torch.tensor([[5, 9, 33, 70, 12, 8]])
     assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    assert not any(k.endswith("_qat_weight") for k in model.state_dict())  # checkpoints keep the float weights
     loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()  # straight-through: every patched weight gets a gradient
-    grads = [m.weight.grad for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.requires_grad]
-    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    loss.backward()  # straight-through: every trained weight gets a gradient
+    trained = [m.weight.grad for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.requires_grad]
+    assert len(trained) == 3 * 7 and all(g is not None and g.abs().sum() > 0 for g in trained)
 
 
 def test_qat_training_scores_the_model_that_packing_will_produce(tiny_traces, tiny_target, tmp_path):
-    from specdraft.train import enable_qat
+    from specdraft.pack import PackConfig, load_packed_model, run_pack
     cfg = _cfg(tiny_traces, tiny_target, tmp_path / "qat", epochs=1, eval_every=3, qat_group_size=32)
     meta = run_train(cfg)
     assert meta["config"]["qat_group_size"] == 32
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "qat").eval()  # plain HF weights: the latent floats
+    # raw f32: QAT does not round norms to fp16 (the default raw encoding, a ~1e-4 relative effect)
+    run_pack(PackConfig(checkpoint=str(tmp_path / "qat"), out=str(tmp_path / "packed"), group_size=32,
+                        raw_encoding="f32"))
+    packed, _ = load_packed_model(tmp_path / "packed")
     _, heldout = split_heldout(read_traces(tiny_traces, cfg.max_seq_len), cfg.heldout_fraction)
     ids = torch.tensor([heldout[0].input_ids])
-    float_logits = saved(input_ids=ids).logits
-    saved.get_input_embeddings().weight.requires_grad_(False)  # as in training: the tied head is not trained
-    assert enable_qat(saved, 32) == 2 * 7
-    assert not torch.equal(saved(input_ids=ids).logits, float_logits)  # QAT scores other weights than the floats
-    assert simulated_acceptance(saved, heldout, 16, 0).mean_accepted_pooled == meta["best"]["sim_accept"]
-    assert heldout_loss(saved, heldout, 0) == pytest.approx(meta["best"]["heldout_loss"], rel=1e-5)
+    assert not torch.equal(packed(input_ids=ids).logits, saved(input_ids=ids).logits)  # rounding matters here
+    # What training selected and scored is exactly what the packed file computes.
+    assert simulated_acceptance(packed, heldout, 16, 0).mean_accepted_pooled == meta["best"]["sim_accept"]
+    assert heldout_loss(packed, heldout, 0) == pytest.approx(meta["best"]["heldout_loss"], rel=1e-5)

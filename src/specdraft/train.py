@@ -66,9 +66,10 @@ class TrainConfig(StageConfig):
     kd_temperature: float = Field(1.0, gt=0, description="softmax temperature for the KL term")
     train_embeddings: bool = Field(False, description="also train the (tied) embedding / lm_head")
     qat_group_size: Optional[int] = Field(
-        None, ge=2, description="quantisation-aware training: the trained linear layers compute with the weights "
-                                "`specdraft pack --group-size G` will store (4-bit, straight-through gradient), "
-                                "so fine-tuning deltas smaller than a 4-bit step are not rounded away at pack time")
+        None, ge=2, description="quantisation-aware training: the model computes with the weights `specdraft "
+                                "pack --group-size G` will store (every linear layer and the embedding, 4-bit; "
+                                "straight-through gradient for the trained ones), so fine-tuning deltas smaller "
+                                "than a 4-bit step are not rounded away at pack time")
     freeze_layers: int = Field(0, ge=0, description="keep the first M decoder layers frozen (cheaper "
                                                     "backward, less overfitting on few traces)")
     heldout_fraction: float = Field(0.05, ge=0, lt=1, description="fraction of traces held out (by id hash)")
@@ -250,20 +251,45 @@ class _STEFakeQuant(torch.autograd.Function):
 
 
 def enable_qat(model, group_size: int) -> int:
-    """Make every trainable nn.Linear compute with ``qd4.fake_quantize`` of its weight (what `specdraft pack`
-    stores at this group size). The parameters stay float (the optimizer's latent weights), so checkpoints,
-    resume state and the packer see plain weights; packing them reproduces exactly the model that was
-    trained and evaluated. Returns the number of layers patched."""
+    """Make the model compute with the weights `specdraft pack --group-size G` (default encodings) stores:
+    every nn.Linear and the input embedding use ``qd4.fake_quantize`` of their weight. Trainable weights are
+    re-quantised at every forward with a straight-through gradient; frozen ones (the tied embedding/head,
+    ``freeze_layers``) once, into a non-persistent buffer. The parameters stay float (the optimizer's latent
+    weights), so checkpoints, resume state and the packer see plain weights, and packing them reproduces
+    exactly the model that was trained and evaluated. Returns the number of modules patched."""
     import types
 
-    def forward(self, x):
-        return F.linear(x, _STEFakeQuant.apply(self.weight, group_size), self.bias)
+    frozen: dict[int, torch.Tensor] = {}  # one quantised copy per frozen parameter (tied weights share it)
 
+    def weight_of(module):
+        if module.weight.requires_grad:
+            return _STEFakeQuant.apply(module.weight, group_size)
+        return module._qat_weight
+
+    def linear_forward(self, x):
+        return F.linear(x, weight_of(self), self.bias)
+
+    def embedding_forward(self, ids):
+        return F.embedding(ids, weight_of(self), self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
+
+    embedding = model.get_input_embeddings()
     patched = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.requires_grad:
-            module.forward = types.MethodType(forward, module)
-            patched += 1
+        if isinstance(module, torch.nn.Linear):
+            forward = linear_forward
+        elif module is embedding:
+            forward = embedding_forward
+        else:
+            continue
+        if not module.weight.requires_grad:
+            key = id(module.weight)
+            if key not in frozen:
+                with torch.no_grad():
+                    frozen[key] = qd4.fake_quantize(module.weight.detach(), group_size)
+            module.register_buffer("_qat_weight", frozen[key], persistent=False)
+        module.forward = types.MethodType(forward, module)
+        patched += 1
     return patched
 
 
@@ -376,7 +402,7 @@ def run_train(cfg: TrainConfig) -> dict:
                 layer.requires_grad_(False)
         if cfg.qat_group_size:
             patched = enable_qat(model, cfg.qat_group_size)
-            log.info("QAT: %d trained linear layers compute on their 4-bit G=%d weights", patched,
+            log.info("QAT: %d linear/embedding modules compute on their 4-bit G=%d weights", patched,
                      cfg.qat_group_size)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
