@@ -58,6 +58,8 @@ def test_pack_writes_the_model_dir(packed_qwen3, tiny_qwen3_dir):
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # a shared artifact, not mkdtemp's private 0700
+    for name in ("draft.qd4", "architecture.json", "config.json"):  # not mkstemp's private 0600
+        assert (out / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
     assert arch["sha256"] == packed_qwen3.sha256 == sha256_file(weight)
     assert (arch["layers"], arch["hidden"], arch["heads"], arch["kv_heads"], arch["intermediate"]) == (2, 64, 4, 2, 128)
     assert arch["tied_embeddings"] is True and arch["model_type"] == "qwen3"

@@ -51,6 +51,11 @@ def make_shareable_dir(path: str | os.PathLike) -> None:
     os.chmod(path, 0o777 & ~_current_umask())
 
 
+def make_shareable_file(path: str | os.PathLike) -> None:
+    """mkstemp creates 0600; a file that becomes an artifact gets the umask's mode like open()'s."""
+    os.chmod(path, 0o666 & ~_current_umask())
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temp file in the same folder, fsync, then rename: readers never see a torn file."""
     path = Path(path)
@@ -61,8 +66,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        # mkstemp creates 0600; artifacts are meant to be shared, so honour the umask like open() does.
-        os.chmod(tmp, 0o666 & ~_current_umask())
+        make_shareable_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

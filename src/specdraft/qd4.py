@@ -28,6 +28,8 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 import torch
 
+from .provenance import make_shareable_file
+
 MAGIC = b"QD04"
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -429,6 +431,7 @@ def write_qd4(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], enco
             f.write(final_head)
             f.flush()
             os.fsync(f.fileno())
+        make_shareable_file(tmp)  # the server may run as another user than the packer
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
