@@ -154,3 +154,20 @@ def test_smollm2_batched_equals_single_and_naive():
         assert [greedy_decode(model, [p], 12, kv_cache=kv_cache)[0] for p in prompts] == naive  # alone
     padded = dict(iter_greedy(model, prompts, 12, max_padding=1.0))  # all four in one left-padded prefill
     assert [padded[i] for i in range(len(prompts))] == naive
+
+
+def test_kv_cache_is_freed_when_the_step_ends_not_at_the_next_gc(tiny_qwen3_dir):
+    """The server's RSS grew by GBs over minutes: each step's SlotCache sat in a reference cycle with its
+    layers, so its KV tensors waited for Python's cyclic GC. Plain reference counting must free them."""
+    import gc
+
+    from specdraft.decode import SlotCache
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
+    gc.collect()
+    gc.disable()
+    try:
+        draft_batch(model, [[5, 9, 33, 70], [12, 8, 40]], 6)
+        alive = [o for o in gc.get_objects() if isinstance(o, SlotCache)]
+    finally:
+        gc.enable()
+    assert alive == []

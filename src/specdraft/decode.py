@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Literal, Sequence
@@ -182,7 +183,14 @@ class SlotLayer(CacheLayerMixin):
 
     def __init__(self, owner: "SlotCache"):
         super().__init__()
-        self.owner = owner
+        # A weak reference: cache -> layer -> cache would be a reference cycle, and the KV tensors (hundreds of
+        # MB for a large batch) would then live until Python's cyclic GC happened to run, not until the step
+        # ended -- the server's RSS grew by GBs over minutes of traffic.
+        self._owner = weakref.ref(owner)
+
+    @property
+    def owner(self) -> "SlotCache":
+        return self._owner()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         slots, capacity = self.owner.slots, self.owner.capacity

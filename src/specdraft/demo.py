@@ -41,6 +41,7 @@ class Budget:
     spec_prompts: int
     spec_tokens: int
     spec_k: list[int] = field(default_factory=lambda: [2, 4, 8, 16])
+    qat: bool = False  # train through the 4-bit rounding of the pack that follows (its group size)
 
 
 # The draft keeps 24 of the target's 30 layers (drops 16-21) and trains only the last 12 (the first 12 stay
@@ -53,7 +54,7 @@ FROZEN_LAYERS = 12
 BUDGETS: dict[str, Budget] = {
     "small": Budget(trace_prompts=96, trace_tokens=64, draft_init=DRAFT_INIT, epochs=2, lr=5e-4,
                     freeze_layers=FROZEN_LAYERS, val_prompts=16, val_tokens=64, spec_prompts=3, spec_tokens=48,
-                    spec_k=[2, 4, 8]),
+                    spec_k=[2, 4, 8], qat=True),
     "default": Budget(trace_prompts=480, trace_tokens=128, draft_init=DRAFT_INIT, epochs=3, lr=5e-4,
                       freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=128, spec_prompts=8, spec_tokens=96),
     "full": Budget(trace_prompts=2000, trace_tokens=128, draft_init=DRAFT_INIT, epochs=3, lr=5e-4,
@@ -157,9 +158,11 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
     _stage(run_dir, "validation", val_cfg.to_json_dict(), lambda: {"rows": run_validation(val_cfg).rows})
 
     init_spec = budget.draft_init.format(target=cfg.target)
+    pack_cfg = PackConfig(checkpoint=str(run_dir / "draft"), out=str(run_dir / "model"), overwrite=True)
     train_cfg = TrainConfig(traces=str(run_dir / "traces" / "traces.jsonl"), init=init_spec,
                             out=str(run_dir / "draft"), target=cfg.target, epochs=budget.epochs, lr=budget.lr,
-                            freeze_layers=budget.freeze_layers, threads=cfg.threads)
+                            freeze_layers=budget.freeze_layers, threads=cfg.threads,
+                            qat_group_size=pack_cfg.group_size if budget.qat else None)
     _stage(run_dir, "train", train_cfg.to_json_dict(), lambda: _train_result(run_train(train_cfg)))
 
     def save_init():
@@ -170,7 +173,6 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
         return {"init": init_spec}
     _stage(run_dir, "init", {"init": init_spec}, save_init)
 
-    pack_cfg = PackConfig(checkpoint=str(run_dir / "draft"), out=str(run_dir / "model"), overwrite=True)
     _stage(run_dir, "pack", pack_cfg.to_json_dict(), lambda: {"bytes": _pack_bytes(run_pack(pack_cfg))})
 
     validation = run_dir / "validation" / "validation.jsonl"
