@@ -364,8 +364,8 @@ def _eos_from_model_dir(path: Path) -> set[int]:
 
 
 def _tokenizer_eos(path: Path) -> int | None:
-    from transformers import AutoTokenizer
-    eos = AutoTokenizer.from_pretrained(path).eos_token_id
+    from .models import load_tokenizer
+    eos = load_tokenizer(path).eos_token_id
     return None if eos is None else int(eos)
 
 
