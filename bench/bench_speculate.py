@@ -13,7 +13,8 @@ Two parts, both written under --out:
    of accepted draft tokens per step a draft must reach for 1.5x plain greedy:
    ``speedup = (a + 1) * T(1) / (V(k + 1) + k * D)``  ->  ``a >= 1.5 * (V(k + 1) + k * D) / T(1) - 1``.
 2. ``specdraft speculate`` itself (``speculate.json`` / ``.md`` / PNG): tokens/s of plain greedy and of
-   the draft and the lookup drafter at every k, on the same prompts, in the same run.
+   the draft, the draft behind prompt lookup and the lookup drafter at every k, on the same prompts, in the
+   same run.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="cpu",
                     help="clock behind the speedups (cpu: this process's CPU time; steady at 1 thread on a "
                          "shared machine; both are recorded)")
+    ap.add_argument("--hybrid-min-ngram", type=int, default=2,
+                    help="also run the draft behind prompt lookup (lookup where the last N+ tokens recur); 0: off")
     ap.add_argument("--skip-cost-model", action="store_true")
     ap.add_argument("--skip-speculate", action="store_true")
     args = ap.parse_args(argv)
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = SpeculateConfig(target=target_spec, draft=draft, prompts=prompts, out=out,
                               max_new_tokens=args.max_new_tokens, k=ks, num_prompts=args.num_prompts,
                               draft_cache=args.draft_cache, draft_compute=args.draft_compute, threads=args.threads,
-                              note=note or None, clock=args.clock)
+                              note=note or None, clock=args.clock,
+                              hybrid_min_ngram=args.hybrid_min_ngram or None)
         return run_speculate(cfg)
     return 0
 

@@ -322,6 +322,7 @@ def test_demo_ends_with_the_audit_and_fails_with_it(tmp_path, monkeypatch, audit
     monkeypatch.setattr(audit, "run_audit", lambda cfg: calls.append(f"audit {cfg.run_dir}") or audit_exit)
     run = tmp_path / "demo"
     for name in ("eval/init/report.json", "eval/lookup/report.json", "eval/trained/report.json",
+                 "eval/trained_lookup/report.json",
                  "speculate/speculate.json", "model/architecture.json"):  # what the stubbed stages would write
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text("{}")

@@ -256,3 +256,40 @@ def test_cli_eval_model_dir(tiny_qwen3_dir, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert [p["accepted"] for p in report["per_point"]] == [16, 7, 16, 7, 16]
     assert report["drafter_source"]["format"] == "hf"
+
+
+def test_hybrid_drafter_recomputed_point_by_point(tiny_qwen3_dir, tmp_path):
+    """--hybrid-min-ngram: each point scores lookup's draft where the context's last 2+ tokens recur, the
+    model's draft elsewhere (both recomputed here independently), and the report counts each side."""
+    from specdraft.cli import main
+
+    target = _load(tiny_qwen3_dir)
+    rng = random.Random(7)
+    points = []
+    for i in range(8):
+        ctx = [rng.randrange(3, 300) for _ in range(7)]
+        if i % 2:
+            ctx = ctx + ctx[:3] + ctx[:2]  # the last two tokens occurred before: lookup answers
+        tgt = naive_greedy(target, ctx, 16, stop_at_eos=False).tokens
+        points.append(ValidationPoint(f"p{i // 2}", "x", i, ctx, tgt))
+    v = _write_validation(tmp_path / "validation.jsonl", points)
+    out = tmp_path / "r"
+    assert main(["eval", "--validation", str(v), "--model-dir", str(tiny_qwen3_dir), "--out", str(out),
+                 "--hybrid-min-ngram", "2"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    expect, looked_up = [], 0
+    for p in points:
+        copied = lookup_draft(p.context_ids, 16, 4, 2)
+        draft = copied or naive_greedy(target, p.context_ids, 16, stop_at_eos=False).tokens
+        looked_up += bool(copied)
+        a = 0
+        while a < 16 and a < len(draft) and draft[a] == p.target_ids[a]:
+            a += 1
+        expect.append(a)
+    assert [p["accepted"] for p in report["per_point"]] == expect
+    assert looked_up == 4 and report["hybrid"] == {"min_ngram": 2, "lookup_points": 4, "model_points": 4}
+    assert expect[0::2] == [16] * 4  # the model is the target itself: exact where it drafts
+    assert report["drafter_source"]["kind"] == "hybrid" and "+lookup2" in report["drafter"]
+    assert "drafted by prompt lookup" in (out / "report.md").read_text()
+    with pytest.raises(ValueError, match="not --lookup"):
+        EvalConfig(validation=v, out=out, lookup=True, hybrid_min_ngram=2)

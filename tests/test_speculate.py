@@ -8,8 +8,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from specdraft.decode import cache_kwargs, draft_batch, greedy_decode
 from specdraft.drafters import LookupDrafter, ModelDrafter
-from specdraft.speculate import (CachedDraftModel, DrafterProposer, NoDraft, SpeculateConfig, _crop_to, load_prompts,
-                                 run_speculate, speculative_generate)
+from specdraft.drafters import lookup_draft
+from specdraft.speculate import (CachedDraftModel, DrafterProposer, HybridProposer, NoDraft, SpeculateConfig, _crop_to,
+                                 load_prompts, run_speculate, speculative_generate)
 
 K_VALUES = [1, 2, 4, 8, 16]
 
@@ -54,7 +55,8 @@ def test_speculative_equals_greedy_for_every_drafter_and_k(models):
     vocab = target.config.vocab_size
     proposers = {"self": CachedDraftModel(target),
                  "lookup": DrafterProposer(LookupDrafter()), "other-cached": CachedDraftModel(other),
-                 "other-reprefill": DrafterProposer(ModelDrafter(other, max_batch_size=1))}
+                 "other-reprefill": DrafterProposer(ModelDrafter(other, max_batch_size=1)),
+                 "other-hybrid": HybridProposer(CachedDraftModel(other), min_ngram=2)}
     n_new = 18
     for prompt in _prompts(vocab):
         ref = greedy_decode(target, [prompt], n_new, stop_at_eos=False)[0].tokens
@@ -159,7 +161,7 @@ def test_run_speculate_report_matches_recomputation(tmp_path, tiny_qwen3_dir, ti
     assert run_speculate(cfg) == 0
     report = json.loads((out / "speculate.json").read_text())
     assert report["lossless"] and not report["mismatches"]
-    assert set(report["drafters"]) == {"draft", "lookup"}
+    assert set(report["drafters"]) == {"draft", "draft+lookup", "lookup"}
     assert report["provenance"]["drafters"]["draft"]["compute"] == "int4"  # the default, as the server runs it
     # accepted tokens per step recomputed independently from the same prompts
     tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
@@ -172,6 +174,12 @@ def test_run_speculate_report_matches_recomputation(tmp_path, tiny_qwen3_dir, ti
         assert row["tokens"] == sum(len(g.tokens) for g in gens)
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / report["baseline"]["tokens_per_s"])
         assert row["tokens_per_s"] == row["tokens_per_s_wall"] and row["tokens_per_s_cpu"] > 0  # clock: wall
+        # the hybrid: same draft behind lookup, in its own proposer (own cache)
+        hybrid = HybridProposer(CachedDraftModel(int4_draft), cfg.hybrid_min_ngram)
+        gens = [speculative_generate(target, hybrid, p.ids, 12, k) for p in prompts]
+        row = report["drafters"]["draft+lookup"]["per_k"][str(k)]
+        assert row["accepted_per_step"] == pytest.approx(sum(g.accepted for g in gens) / sum(g.steps for g in gens))
+        assert row["lookup_step_share"] == pytest.approx(hybrid.lookup_steps / sum(g.steps for g in gens))
     best = report["drafters"]["draft"]
     assert best["best_k"] in (1, 3)
     assert best["best_tokens_per_s"] == max(r["tokens_per_s"] for r in best["per_k"].values())
@@ -207,3 +215,29 @@ def test_config_k_and_cli_alias(tmp_path):
     assert SpeculateConfig(draft="lookup", prompts="p").k == [2, 4, 8, 16]
     with pytest.raises(ValueError):
         SpeculateConfig(draft="lookup", prompts="p", k=[0])
+
+
+def test_hybrid_proposer_asks_the_model_only_where_lookup_has_nothing():
+    class Recorder:
+        name = "rec"
+
+        def __init__(self):
+            self.calls, self.resets = [], 0
+
+        def reset(self):
+            self.resets += 1
+
+        def propose(self, context, k):
+            self.calls.append(list(context))
+            return [7] * k
+
+    rec = Recorder()
+    hybrid = HybridProposer(rec, min_ngram=2)
+    repeat = [5, 6, 9, 1, 5, 6]  # the last two tokens (5, 6) occurred before, followed by 9, 1
+    assert hybrid.propose(repeat, 3) == lookup_draft(repeat, 3, 4, 2) == [9, 1, 5]
+    assert rec.calls == [] and hybrid.lookup_steps == 1
+    once = [5, 6, 9, 1, 2, 6]  # only the last token (6) recurs: below min_ngram, so the model drafts
+    assert hybrid.propose(once, 3) == [7, 7, 7]
+    assert rec.calls == [once] and hybrid.model_steps == 1
+    hybrid.reset()
+    assert rec.resets == 1

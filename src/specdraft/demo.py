@@ -135,6 +135,7 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
     from .evaluate import EvalConfig, run_eval
     from .pack import PackConfig, run_pack
     from .selfcheck import SelfcheckConfig, ServerProcess, run_selfcheck
+    from .drafters import DEFAULT_HYBRID_MIN_NGRAM
     from .speculate import SpeculateConfig, run_speculate
     from .traces import TracesConfig, ValidationConfig, run_traces, run_validation
     from .train import TrainConfig, build_init, run_train
@@ -191,12 +192,18 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
             if not ok:
                 raise RuntimeError(f"draft server did not start: {detail}")
             ecfg = EvalConfig(validation=validation, server=server.url, out=run_dir / "eval" / "trained")
-            return run_eval(ecfg)
+            exit_code = run_eval(ecfg)
+            # The same server behind prompt lookup (the lookup runs here, in the client, never in the server).
+            hcfg = EvalConfig(validation=validation, server=server.url, out=run_dir / "eval" / "trained_lookup",
+                              hybrid_min_ngram=DEFAULT_HYBRID_MIN_NGRAM)
+            return max(exit_code, run_eval(hcfg))
         finally:
             server.stop()
     _stage(run_dir, "eval_trained", {"model": str(run_dir / "model"), "validation": str(validation),
-                                     "train": train_cfg.to_json_dict()}, eval_served)
+                                     "train": train_cfg.to_json_dict(), "hybrid_min_ngram": DEFAULT_HYBRID_MIN_NGRAM},
+           eval_served)
     reports["trained"] = read_json(run_dir / "eval" / "trained" / "report.json")
+    reports["trained_lookup"] = read_json(run_dir / "eval" / "trained_lookup" / "report.json")
 
     spec_cfg = SpeculateConfig(target=cfg.target, draft=str(run_dir / "model"), prompts=Path(eval_set),
                                out=run_dir / "speculate", max_new_tokens=budget.spec_tokens, k=budget.spec_k,
@@ -221,6 +228,7 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
         "target": cfg.target,
         "eval_set": {"path": eval_set, "kind": eval_kind},
         "draft_init": init_spec,
+        "hybrid_min_ngram": DEFAULT_HYBRID_MIN_NGRAM,
         "acceptance": {name: _acceptance(r) for name, r in reports.items()},
         "draft_latency": reports["trained"].get("latency"),
         "speculate": _speculate_summary(speculate),
@@ -268,17 +276,22 @@ def summary_markdown(summary: dict) -> str:
              "| drafter | mean accepted of 16 (pooled over points) | per-prompt mean | points |",
              "|---|---|---|---|"]
     labels = {"init": f"untrained init ({summary['draft_init']})", "trained": "trained draft (packed, HTTP)",
-              "lookup": "prompt lookup (model-free)"}
-    for name in ("init", "trained", "lookup"):
-        a = acc.get(name, {})
+              "lookup": "prompt lookup (model-free)",
+              "trained_lookup": f"trained draft behind prompt lookup (lookup where the last "
+                                f"{summary.get('hybrid_min_ngram')}+ tokens recur)"}
+    for name in ("init", "trained", "lookup", "trained_lookup"):
+        if name not in acc:
+            continue
+        a = acc[name]
         lines.append(f"| {labels[name]} | {_fmt(a.get('mean_accepted_pooled'))} | "
                      f"{_fmt(a.get('mean_accepted_per_prompt'))} | {a.get('points')} |")
     latency = summary.get("draft_latency") or {}
-    lines += ["", f"Draft latency, one 16-token draft over HTTP (eval clients, 8 concurrent): p50 {_fmt(latency.get('p50_ms'))} ms, "
-                  f"p99 {_fmt(latency.get('p99_ms'))} ms",
+    lines += ["", "Draft latency, one 16-token draft over HTTP (eval clients, 8 concurrent): "
+                  f"p50 {_fmt(latency.get('p50_ms'))} ms, p99 {_fmt(latency.get('p99_ms'))} ms",
               "", "| speculative decoding | best k | tokens/s | speedup vs plain greedy | accepted per step |",
               "|---|---|---|---|---|",
-              f"| plain greedy (same loop) | – | {_fmt(summary['speculate'].get('baseline_tokens_per_s'))} | 1.000 | – |"]
+              f"| plain greedy (same loop) | – | {_fmt(summary['speculate'].get('baseline_tokens_per_s'))} | 1.000 "
+              "| – |"]
     for name, row in summary["speculate"].items():
         if isinstance(row, dict):
             lines.append(f"| {name} | {row['best_k']} | {_fmt(row['tokens_per_s'])} | {_fmt(row['speedup'])} | "

@@ -2,12 +2,13 @@
 
 ``ModelDrafter`` runs a draft LM with the shared decode loop; ``LookupDrafter`` is the model-free
 prompt-lookup baseline (the latest earlier occurrence of the context's last n tokens, n = 4..1, and
-what followed it).
+what followed it); ``HybridDrafter`` asks prompt lookup first and the draft model only where the context
+gives lookup nothing to copy.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from .decode import draft_batch
 
@@ -59,3 +60,48 @@ class LookupDrafter:
 
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
         return [lookup_draft(c, num_tokens, self.max_ngram, self.min_ngram) for c in contexts]
+
+
+DEFAULT_HYBRID_MIN_NGRAM = 2
+
+
+class HybridDrafter:
+    """A draft model with prompt lookup in front: where the context's last ``min_ngram`` (or more, up to
+    ``max_ngram``) tokens occurred earlier, propose what followed them (free); elsewhere ask the model.
+
+    The two fail in different places: lookup wins in repetitive stretches (lists, code, restated text) and
+    has nothing to say elsewhere; the model drafts everywhere but pays a forward pass per token. The model
+    stays pure inference (the draft server never sees the lookup); the combination lives in the client.
+    Counts of points each side answered are kept in ``lookup_used`` / ``model_used``.
+    """
+
+    def __init__(self, model_drafter: Any, min_ngram: int = DEFAULT_HYBRID_MIN_NGRAM, max_ngram: int = 4):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.model_drafter, self.min_ngram, self.max_ngram = model_drafter, min_ngram, max_ngram
+        self.name = f"{getattr(model_drafter, 'name', 'model')}+lookup{min_ngram}"
+        self.model = getattr(model_drafter, "model", None)  # eval checks token ids against its vocab
+        self.concurrency = getattr(model_drafter, "concurrency", 4)
+        self.lookup_used = self.model_used = 0
+
+    def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
+        out = [lookup_draft(c, num_tokens, self.max_ngram, self.min_ngram) for c in contexts]
+        ask = [i for i, d in enumerate(out) if not d]
+        if ask:
+            drafts = self.model_drafter.draft([contexts[i] for i in ask], num_tokens)
+            if len(drafts) != len(ask):
+                raise RuntimeError(f"model drafter returned {len(drafts)} drafts for {len(ask)} contexts")
+            for i, d in zip(ask, drafts):
+                out[i] = list(d)
+        self.lookup_used += len(contexts) - len(ask)
+        self.model_used += len(ask)
+        return out
+
+    def take_latencies(self) -> list[float]:
+        take = getattr(self.model_drafter, "take_latencies", None)
+        return take() if take else []
+
+    def close(self) -> None:
+        close = getattr(self.model_drafter, "close", None)
+        if close:
+            close()

@@ -54,6 +54,10 @@ class EvalConfig(StageConfig):
     plots: bool = Field(True, description="write PNG plots")
     threads: int | None = Field(None, ge=1, description="torch CPU threads for an in-process drafter (None: "
                                                         "torch's default)")
+    hybrid_min_ngram: int | None = Field(
+        None, ge=1, le=4, description="with --server or --model-dir: prompt lookup first wherever the context's "
+                                      "last N (or more, up to 4) tokens occurred before, the model only elsewhere "
+                                      "(drafters.HybridDrafter; reported as its own drafter)")
 
     @model_validator(mode="after")
     def _one_drafter(self):
@@ -62,6 +66,9 @@ class EvalConfig(StageConfig):
         if len(chosen) != 1:
             raise ValueError("give exactly one drafter: --server URL, --model-dir DIR or --lookup "
                              f"(got {', '.join(chosen) or 'none'})")
+        if self.lookup and self.hybrid_min_ngram is not None:
+            raise ValueError("--hybrid-min-ngram puts lookup in front of a model: use it with --server or "
+                             "--model-dir, not --lookup")
         return self
 
 
@@ -234,16 +241,22 @@ def load_draft_model(model_dir: str | os.PathLike, compute: str = "float32"):
 
 def build_drafter(config: EvalConfig):
     """(drafter, source description) for the one drafter the config names."""
-    from .drafters import LookupDrafter, ModelDrafter
+    from .drafters import HybridDrafter, LookupDrafter, ModelDrafter
 
     if config.lookup:
         return LookupDrafter(), {"kind": "lookup"}
     if config.server:
-        return (HTTPDrafter(config.server, config.concurrency, config.timeout_s),
-                {"kind": "http", "url": config.server})
-    model, source = load_draft_model(config.model_dir, config.compute)
-    name = f"{source['format']}:{Path(config.model_dir).name}"
-    return ModelDrafter(model, name=name, max_batch_size=config.batch_size), {"kind": "in-process", **source}
+        drafter, source = (HTTPDrafter(config.server, config.concurrency, config.timeout_s),
+                           {"kind": "http", "url": config.server})
+    else:
+        model, source = load_draft_model(config.model_dir, config.compute)
+        name = f"{source['format']}:{Path(config.model_dir).name}"
+        drafter, source = (ModelDrafter(model, name=name, max_batch_size=config.batch_size),
+                           {"kind": "in-process", **source})
+    if config.hybrid_min_ngram is not None:
+        drafter = HybridDrafter(drafter, min_ngram=config.hybrid_min_ngram)
+        source = {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "model": source}
+    return drafter, source
 
 
 # ------------------------------------------------------------------------------------------- metric
@@ -336,6 +349,10 @@ def report_markdown(report: Mapping[str, Any], title: str = "Draft acceptance") 
              f"| mean accepted length, per-prompt mean (of {k}) | {report['mean_accepted_per_prompt']:.3f} |",
              f"| tokens per verify step (1 + pooled mean) | {report['tokens_per_verify_step']:.3f} |",
              f"| P(all {k} accepted) | {report['cumulative_acceptance'][-1]:.3f} |"]
+    hybrid = report.get("hybrid")
+    if hybrid:
+        lines.append(f"| points drafted by prompt lookup (last {hybrid['min_ngram']}+ tokens seen before) / by "
+                     f"the model | {hybrid['lookup_points']} / {hybrid['model_points']} |")
     lat = report.get("latency") or {}
     if lat.get("calls"):
         lines += [f"| latency p50 per {lat['unit']} | {lat['p50_ms']:.1f} ms |",
@@ -406,6 +423,9 @@ def run_eval(config: EvalConfig) -> int:
             if hasattr(drafter, "close"):
                 drafter.close()
         report["drafter_source"] = source
+        if hasattr(drafter, "lookup_used"):
+            report["hybrid"] = {"min_ngram": drafter.min_ngram, "lookup_points": drafter.lookup_used,
+                                "model_points": drafter.model_used}
         report["plots"] = write_plots(report, out) if config.plots else []
         atomic_write_text(out / "report.md", report_markdown(report))
         report["provenance"] = {

@@ -28,6 +28,7 @@ from pydantic import Field, field_validator
 
 from .config import StageConfig
 from .decode import cache_kwargs, eos_token_ids, greedy_decode
+from .drafters import DEFAULT_HYBRID_MIN_NGRAM, lookup_draft
 from .metrics import accepted_length
 from .models import DEFAULT_TARGET
 from .provenance import atomic_write_json, atomic_write_text, run_metadata, sha256_file, stage_log
@@ -60,6 +61,11 @@ class SpeculateConfig(StageConfig):
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
     warmup: bool = Field(True, description="one short untimed run of every configuration first")
     note: str | None = Field(None, description="a line for speculate.md, e.g. what the draft is")
+    hybrid_min_ngram: int | None = Field(
+        DEFAULT_HYBRID_MIN_NGRAM, ge=1, le=4,
+        description="with a draft model or server: also run it behind prompt lookup ('<name>+lookup'): lookup's "
+                    "proposal wherever the context's last N (or more, up to 4) tokens occurred before, the draft "
+                    "elsewhere (null: not run)")
     clock: Literal["wall", "cpu"] = Field(
         "wall", description="clock behind tokens/s, speedup and best k (both are recorded): wall, or this "
                             "process's CPU time (use cpu with --threads 1 on a machine shared with other "
@@ -100,6 +106,28 @@ class DrafterProposer:
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         return list(self.drafter.draft([context], k)[0])[:k]
+
+
+class HybridProposer:
+    """Batch-1 ``drafters.HybridDrafter``: prompt lookup when the context's last ``min_ngram``+ tokens occurred
+    before (no draft forward at all), the wrapped proposer otherwise. A kept draft cache stays correct across
+    skipped steps: ``CachedDraftModel`` catches up on whatever the context gained since its last call."""
+
+    def __init__(self, proposer, min_ngram: int = DEFAULT_HYBRID_MIN_NGRAM, name: str | None = None):
+        self.proposer, self.min_ngram = proposer, min_ngram
+        self.name = name or f"{getattr(proposer, 'name', 'draft')}+lookup"
+        self.lookup_steps = self.model_steps = 0
+
+    def reset(self) -> None:
+        self.proposer.reset()
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        copied = lookup_draft(context, k, max(4, self.min_ngram), self.min_ngram)
+        if copied:
+            self.lookup_steps += 1
+            return copied
+        self.model_steps += 1
+        return self.proposer.propose(context, k)
 
 
 def _crop_to(cache, length: int) -> None:
@@ -367,6 +395,13 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
             name = "draft-reprefill" if config.draft_cache == "both" else "draft"
             out.append((name, DrafterProposer(ModelDrafter(model, name=name, max_batch_size=1), name),
                         {**source, "draft_cache": "reprefill"}))
+    if config.hybrid_min_ngram is not None and spec != "lookup":
+        # Its own proposer instance (a separate draft cache), so the plain draft's rows stay untouched.
+        name, base_name, base, base_source = "draft+lookup", *out[0]
+        if isinstance(base, CachedDraftModel):
+            base = CachedDraftModel(base.model, base_name)
+        out.append((name, HybridProposer(base, config.hybrid_min_ngram, name),
+                    {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "draft": base_source}))
     if config.baseline_lookup and spec != "lookup":
         out.append(("lookup", DrafterProposer(LookupDrafter()), {"kind": "lookup"}))
     return out
@@ -385,6 +420,7 @@ class _Totals:
     draft_seconds: float = 0.0
     mismatches: int = 0
     runs: int = 0
+    lookup_steps: int | None = None  # hybrid proposers: steps prompt lookup answered (no draft forward)
 
     def add(self, gen, wall: float, cpu: float) -> None:
         self.runs += 1
@@ -414,6 +450,8 @@ class _Totals:
             # the prefill gives each run its first token; every other token came out of a verify step
             "tokens_per_step": (self.tokens - self.runs) / self.steps if self.steps else 0.0,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            **({"lookup_step_share": self.lookup_steps / self.steps if self.steps else 0.0}
+               if self.lookup_steps is not None else {}),
             "draft_time_share": self.draft_seconds / self.seconds if self.seconds else 0.0,
             "mismatches": self.mismatches,
         }
@@ -457,9 +495,12 @@ def run_speculation_bench(target, proposers: list[tuple[str, Any, dict]], prompt
                "finish_reason": ref.finish_reason, "greedy_decode_seconds": wall, "runs": {}}
         shift = i % len(runs)
         for name, prop, k in runs[shift:] + runs[:shift]:
+            looked_up = getattr(prop, "lookup_steps", None)
             gen, wall, cpu = _timed(lambda: speculative_generate(target, prop, prompt.ids, max_new_tokens, k, eos))
             tot = totals[(name, k)]
             tot.add(gen, wall, cpu)
+            if looked_up is not None:
+                tot.lookup_steps = (tot.lookup_steps or 0) + prop.lookup_steps - looked_up
             bad = first_mismatch(gen.tokens, ref.tokens)
             if bad is not None or gen.finish_reason != ref.finish_reason:
                 tot.mismatches += 1
@@ -524,6 +565,11 @@ def speculate_markdown(report: dict[str, Any]) -> str:
                          f"{row['acceptance_rate']:.2f} | {row['draft_time_share']:.0%} |")
     lines += ["", "accepted drafts/step = draft tokens kept per target verify pass; tokens/step adds the target's "
               "own token; acceptance = accepted / drafted; draft time = share of wall time spent drafting."]
+    for name, res in report["drafters"].items():
+        shares = {k: row["lookup_step_share"] for k, row in res["per_k"].items() if "lookup_step_share" in row}
+        if shares:
+            lines.append(f"{name}: share of steps drafted by prompt lookup instead of the model: "
+                         + ", ".join(f"k={k} {v:.0%}" for k, v in shares.items()) + ".")
     if report.get("plot"):
         lines += ["", f"![tokens/s per k]({report['plot']})"]
     if report.get("note"):
