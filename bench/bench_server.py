@@ -509,7 +509,8 @@ def print_report(res: dict[str, Any]) -> None:
         print(f"{'clients':>8}{'req/s':>9}{'x 1 cl':>8}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}{'batch':>7}"
               f"{'RSS MB start→end (max)':>26}")
         for lv in http["levels"]:
-            rss = f"{lv['rss_mb_start']:.0f}→{lv['rss_mb_end']:.0f} ({lv['rss_mb_max']:.0f})" if lv["rss_mb_start"] else ""
+            rss = (f"{lv['rss_mb_start']:.0f}→{lv['rss_mb_end']:.0f} ({lv['rss_mb_max']:.0f})"
+                   if lv["rss_mb_start"] else "")
             print(f"{lv['clients']:8d}{lv['rps']:9.1f}{(lv['rps_vs_1_client'] or 0):8.2f}{lv['p50_ms']:9.0f}"
                   f"{lv['p99_ms']:9.0f}{lv['errors']:8d}{lv['mean_batch']:7.1f}{rss:>26}")
         print(f"server RSS first {http['rss_mb']['first']:.0f} MB, last {http['rss_mb']['last']:.0f} MB, "

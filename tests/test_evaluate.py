@@ -111,10 +111,13 @@ class _DraftHandler(BaseHTTPRequestHandler):
     peak = 0
     lock = threading.Lock()
 
+    contexts: list = []
+
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         cls = type(self)
         with cls.lock:
+            cls.contexts.append(body["token_ids"])
             cls.in_flight += 1
             cls.peak = max(cls.peak, cls.in_flight)
         time.sleep(0.05)
@@ -293,3 +296,23 @@ def test_hybrid_drafter_recomputed_point_by_point(tiny_qwen3_dir, tmp_path):
     assert "drafted by prompt lookup" in (out / "report.md").read_text()
     with pytest.raises(ValueError, match="not --lookup"):
         EvalConfig(validation=v, out=out, lookup=True, hybrid_min_ngram=2)
+
+
+def test_run_eval_hybrid_over_http_sends_only_what_lookup_cannot_answer(fake_server, tmp_path):
+    rng = random.Random(3)
+    points = []
+    for i in range(8):
+        ctx = [100 + 20 * i + j for j in range(6)]  # all distinct: lookup has nothing, the server drafts
+        if i % 2:
+            ctx = ctx + ctx[:2]  # the last two tokens occurred before: lookup answers, no request
+        points.append(ValidationPoint(f"p{i}", "x", 0, ctx, [rng.randrange(100, 300) for _ in range(16)]))
+    v = _write_validation(tmp_path / "validation.jsonl", points)
+    _DraftHandler.contexts = []
+    out = tmp_path / "r"
+    assert run_eval(EvalConfig(validation=v, server=fake_server, out=out, hybrid_min_ngram=2, plots=False)) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert sorted(_DraftHandler.contexts) == sorted(p.context_ids for p in points[0::2])
+    assert report["hybrid"] == {"min_ngram": 2, "lookup_points": 4, "model_points": 4}
+    assert report["latency"]["unit"].startswith("request") and report["latency"]["calls"] == 4
+    assert report["drafter_source"] == {"kind": "hybrid", "min_ngram": 2,
+                                        "model": {"kind": "http", "url": fake_server}}

@@ -16,7 +16,8 @@ class ServeConfig(StageConfig):
                           "present; from_pretrained on MODEL_DIR only when there is no weight file)")
     host: str = Field("127.0.0.1", description="address to bind (loopback by default)")
     port: int = Field(8000, ge=0, le=65535,
-                      description="TCP port; 0 picks a free one (the log line 'listening on http://HOST:PORT' names it)")
+                      description="TCP port; 0 picks a free one (the log line 'listening on http://HOST:PORT' "
+                                  "names it)")
     max_batch_size: int = Field(32, ge=1, le=1024, description="most requests in one model step")
     max_wait_ms: float = Field(2.0, ge=0, le=10_000,
                                description="how long the worker waits for more requests after the first one")
@@ -24,8 +25,9 @@ class ServeConfig(StageConfig):
     max_context: int | None = Field(
         None, ge=1, description="longest token_ids accepted (default and upper bound: the model's positions "
                                 "minus num_draft)")
-    threads: int | None = Field(None, ge=1, le=256, description="torch intra-op threads (default: CPUs - 1, leaving one core to "
-                                             "the HTTP side; at least 1)")
+    threads: int | None = Field(None, ge=1, le=256,
+                                description="torch intra-op threads (default: CPUs - 1, leaving one core to the "
+                                            "HTTP side; at least 1)")
     compute: Literal["float32", "bfloat16", "int4"] = Field(
         "int4", description="format of the linear layers: float32, bfloat16 weights, or the QD04 4-bit codes run "
                             "by torch's CPU int4 kernel (measured fastest at batch 1; BENCHMARKS.md)")
