@@ -100,12 +100,19 @@ def test_estimate_qwen3_1_7b_near_reference(tmp_path, capsys):
     assert qd4.estimate_packed_bytes(config, embedding_encoding="f16") > 1.3 * REFERENCE_QWEN3_1_7B_BYTES
 
 
-def test_cli_end_to_end(tiny_llama_dir, tmp_path, caplog):
+def test_cli_end_to_end(tiny_llama_dir, tmp_path, caplog, capsys, monkeypatch):
     out = tmp_path / "packed"
     assert main(["pack", "--checkpoint", str(tiny_llama_dir), "--out", str(out), "--keep-embedding", "f16"]) == 0
     header = qd4.read_qd4_header(out / "draft.qd4")
     assert header.entry("model.embed_tokens.weight").encoding == "f16"
     assert header.entry("model.layers.0.mlp.up_proj.weight").encoding == "q4g"
+    # a stage's error on bad input: one line naming the path and the reason, exit code 1, no traceback
+    capsys.readouterr()
+    assert main(["pack", "--checkpoint", str(tiny_llama_dir), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"specdraft pack: error: {out}" in err and "not empty" in err
+    assert "Traceback" not in err
+    monkeypatch.setenv("SPECDRAFT_TRACEBACK", "1")  # the traceback on request
     with pytest.raises(FileExistsError, match="not empty"):
         main(["pack", "--checkpoint", str(tiny_llama_dir), "--out", str(out)])
     with caplog.at_level(logging.INFO, logger="specdraft.pack"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # stage -> (module, config class, function, one-line help)
@@ -72,7 +73,14 @@ def main(argv: list[str] | None = None) -> int:
             config = config_from_args(config_cls, args, args._config_file)
         except Exception as e:  # pydantic ValidationError: show it as a usage error, not a traceback
             parser.error(str(e))
-        result = func(config)
+        try:
+            result = func(config)
+        except (ValueError, OSError) as e:  # bad input or files (the stages name the path and the reason)
+            if os.environ.get("SPECDRAFT_TRACEBACK"):
+                raise
+            logging.getLogger("specdraft").debug("specdraft %s failed", argv[0], exc_info=True)
+            print(f"specdraft {argv[0]}: error: {e}\n(set SPECDRAFT_TRACEBACK=1 for the traceback)", file=sys.stderr)
+            return 1
         return int(result) if isinstance(result, int) else 0
     args = _top_parser().parse_args(argv)
     if args.stage == "models":
