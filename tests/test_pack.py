@@ -106,9 +106,9 @@ def test_cli_end_to_end(tiny_llama_dir, tmp_path, caplog, capsys, monkeypatch):
     header = qd4.read_qd4_header(out / "draft.qd4")
     assert header.entry("model.embed_tokens.weight").encoding == "f16"
     assert header.entry("model.layers.0.mlp.up_proj.weight").encoding == "q4g"
-    # a stage's error on bad input: one line naming the path and the reason, exit code 1, no traceback
+    # a stage's error on bad input: one line naming the path and the reason, exit code 2, no traceback
     capsys.readouterr()
-    assert main(["pack", "--checkpoint", str(tiny_llama_dir), "--out", str(out)]) == 1
+    assert main(["pack", "--checkpoint", str(tiny_llama_dir), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"specdraft pack: error: {out}" in err and "not empty" in err
     assert "Traceback" not in err

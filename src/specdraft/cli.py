@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             logging.getLogger("specdraft").debug("specdraft %s failed", argv[0], exc_info=True)
             print(f"specdraft {argv[0]}: error: {e}\n(set SPECDRAFT_TRACEBACK=1 for the traceback)", file=sys.stderr)
-            return 1
+            return 2  # as `specdraft serve` and `models show` do for bad input
         return int(result) if isinstance(result, int) else 0
     args = _top_parser().parse_args(argv)
     if args.stage == "models":
