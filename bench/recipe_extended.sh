@@ -13,7 +13,9 @@ set -euo pipefail
 RUN=${1:-runs/extended}
 SPECDRAFT=${SPECDRAFT:-.venv/bin/specdraft}
 MT_BENCH=${MT_BENCH:-../shared/data/dev/mt_bench.jsonl}
-export OMP_WAIT_POLICY=PASSIVE
+# The measured run used one thread per job (2 jobs side by side); other thread counts change float rounding, so
+# greedy ties and the numbers can differ slightly.
+export OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 done_file() { [ -f "$1" ]; }
 traces_upto() {  # traces of the first $1 prompts in their own file (each training stage records its own sha256);
