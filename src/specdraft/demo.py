@@ -132,10 +132,10 @@ def run_demo(cfg: DemoConfig) -> int:
 
 def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
     from .data import PromptsConfig, build_prompts
+    from .drafters import DEFAULT_HYBRID_MIN_NGRAM
     from .evaluate import EvalConfig, run_eval
     from .pack import PackConfig, run_pack
     from .selfcheck import SelfcheckConfig, ServerProcess, run_selfcheck
-    from .drafters import DEFAULT_HYBRID_MIN_NGRAM
     from .speculate import SpeculateConfig, run_speculate
     from .traces import TracesConfig, ValidationConfig, run_traces, run_validation
     from .train import TrainConfig, build_init, run_train
