@@ -114,6 +114,8 @@ class HybridProposer:
     skipped steps: ``CachedDraftModel`` catches up on whatever the context gained since its last call."""
 
     def __init__(self, proposer, min_ngram: int = DEFAULT_HYBRID_MIN_NGRAM, name: str | None = None):
+        if not 1 <= min_ngram <= 4:  # lookup_draft matches n-grams of 4 tokens at most
+            raise ValueError(f"min_ngram must be in 1..4, got {min_ngram}")
         self.proposer, self.min_ngram = proposer, min_ngram
         self.name = name or f"{getattr(proposer, 'name', 'draft')}+lookup"
         self.lookup_steps = self.model_steps = 0
@@ -122,7 +124,7 @@ class HybridProposer:
         self.proposer.reset()
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
-        copied = lookup_draft(context, k, max(4, self.min_ngram), self.min_ngram)
+        copied = lookup_draft(context, k, min_ngram=self.min_ngram)
         if copied:
             self.lookup_steps += 1
             return copied
@@ -397,10 +399,10 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
                         {**source, "draft_cache": "reprefill"}))
     if config.hybrid_min_ngram is not None and spec != "lookup":
         # Its own proposer instance (a separate draft cache), so the plain draft's rows stay untouched.
-        name, base_name, base, base_source = "draft+lookup", *out[0]
+        base_name, base, base_source = out[0]
         if isinstance(base, CachedDraftModel):
             base = CachedDraftModel(base.model, base_name)
-        out.append((name, HybridProposer(base, config.hybrid_min_ngram, name),
+        out.append(("draft+lookup", HybridProposer(base, config.hybrid_min_ngram, "draft+lookup"),
                     {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "draft": base_source}))
     if config.baseline_lookup and spec != "lookup":
         out.append(("lookup", DrafterProposer(LookupDrafter()), {"kind": "lookup"}))
