@@ -41,6 +41,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "q4g-G128": {"group_size": 128},
     "q4g-G64+emb-f16": {"group_size": 64, "embedding_encoding": "f16"},
     "q4g-G32+emb-f16": {"group_size": 32, "embedding_encoding": "f16"},
+    "q4g-G64-gptq": {"group_size": 64, "fit": "gptq"},                # these need --calibration
+    "q4g-G64-gptq+emb-f16": {"group_size": 64, "fit": "gptq", "embedding_encoding": "f16"},
 }
 
 
@@ -181,11 +183,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.variants:
         overrides = VARIANTS[name]
         out = work / name
-        result = run_pack(PackConfig(checkpoint=str(src), out=str(out), overwrite=True, **overrides))
+        calibration = {"calibration": args.calibration} if overrides.get("fit") == "gptq" else {}
+        result = run_pack(PackConfig(checkpoint=str(src), out=str(out), overwrite=True, **overrides, **calibration))
         load_s, (model, info) = timed(lambda: load_packed_model(out), args.repeats)
         counts = agreement_counts(ref, logits_of(model, windows))
         rows.append({
-            "variant": name, **overrides, "bytes": result.bytes, "ratio_vs_fp16": result.bytes / fp16_bytes,
+            "variant": name, **overrides, **calibration,
+            "bytes": result.bytes, "ratio_vs_fp16": result.bytes / fp16_bytes,
             "estimate_bytes": qd4.estimate_packed_bytes(src, overrides["group_size"],
                                                         embedding_encoding=overrides.get("embedding_encoding", "q4g"),
                                                         fit=overrides.get("fit", "minmax")),
@@ -236,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON results file")
     parser.add_argument("--model", default=DEFAULT_TARGET, help="model spec to pack (stand-in for the draft)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
+                        help="default: all (the gptq ones only with --calibration)")
+    parser.add_argument("--calibration", default=None,
+                        help="traces JSONL of the model (specdraft traces) to calibrate the gptq variants")
     parser.add_argument("--positions", type=int, default=2048, help="teacher-forced positions (at least)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per forward window")
     parser.add_argument("--repeats", type=int, default=3, help="timed loads per loader (median reported)")
@@ -248,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--float-checkpoint", default=None, help="the float (trained) draft checkpoint")
     parser.add_argument("--packed-dir", default=None, help="the packed draft dir made from it")
     args = parser.parse_args(argv)
+    needs_calibration = [v for v in VARIANTS if VARIANTS[v].get("fit") == "gptq"]
+    if args.variants is None:
+        args.variants = [v for v in VARIANTS if args.calibration or v not in needs_calibration]
+    elif args.calibration is None and set(args.variants) & set(needs_calibration):
+        parser.error(f"--calibration TRACES.jsonl is needed for {sorted(set(args.variants) & set(needs_calibration))}")
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

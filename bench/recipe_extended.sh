@@ -4,10 +4,11 @@
 #   bash bench/recipe_extended.sh [RUN_DIR]        # default runs/extended; needs ../shared (manifest + MT-bench)
 #
 # F (configs/train.default.json on the traces of 512 prompts), then the same draft trained on in stages as the
-# traces grow: F2 = F + 200 steps on 1,536 traces (lr 3e-4), F3 = F2 + 150 steps on 3,072 traces, G3 = F3 + 40
-# QAT steps at G = 64 (configs/train.qat.json), packed; each scored on all MT-bench points. About 3.5 hours on
+# traces grow: F2 = F + 200 steps on 1,536 traces (lr 3e-4), F3 = F2 + 150 steps on 3,072 traces, then F3 packed
+# with GPTQ calibrated on those traces (packF3g, what ships); each scored on all MT-bench points. About 3 hours on
 # 2 cores. Finished training, pack and eval steps are skipped and the traces/validation stages resume, so the
 # script can be rerun after an interruption (a killed training step restarts from its last checkpoint).
+# QAT_STEPS=40 also runs the earlier shipped form, G3 = F3 + 40 QAT steps (configs/train.qat.json), plain-packed.
 set -euo pipefail
 
 RUN=${1:-runs/extended}
@@ -64,12 +65,17 @@ train runF2 "$RUN/runF" "$RUN/traces$N2/traces.jsonl" configs/train.default.json
 traces_upto "$N3" "$RUN/traces$N2/traces.jsonl"
 train runF3 "$RUN/runF2" "$RUN/traces$N3/traces.jsonl" configs/train.default.json \
     --lr 3e-4 --eval-every 50 --max-steps "$STEPS_F3" --epochs 100
-train runG3 "$RUN/runF3" "$RUN/traces$N3/traces.jsonl" configs/train.qat.json ${QAT_STEPS:+--max-steps "$QAT_STEPS"}
-done_file "$RUN/packG3/draft.qd4" || "$SPECDRAFT" pack --checkpoint "$RUN/runG3" --out "$RUN/packG3"
+done_file "$RUN/packF3g/draft.qd4" || "$SPECDRAFT" pack --checkpoint "$RUN/runF3" --out "$RUN/packF3g" \
+    --fit gptq --calibration "$RUN/traces$N3/traces.jsonl"
 
 score "$RUN/runF3" runF3_f32 float32
-score "$RUN/packG3" packG3_int4 int4
-score "$RUN/packG3" packG3_hybrid int4 --hybrid-min-ngram 2
+score "$RUN/packF3g" packF3g_int4 int4
+score "$RUN/packF3g" packF3g_hybrid int4 --hybrid-min-ngram 2
+if [ -n "${QAT_STEPS:-}" ]; then
+    train runG3 "$RUN/runF3" "$RUN/traces$N3/traces.jsonl" configs/train.qat.json --max-steps "$QAT_STEPS"
+    done_file "$RUN/packG3/draft.qd4" || "$SPECDRAFT" pack --checkpoint "$RUN/runG3" --out "$RUN/packG3"
+    score "$RUN/packG3" packG3_int4 int4
+fi
 done_file "$RUN/eval_lookup/report.json" || "$SPECDRAFT" eval --validation "$RUN/val80/validation.jsonl" --lookup \
     --out "$RUN/eval_lookup" $EVAL_ARGS
-grep -h "pooled" "$RUN"/eval_*/eval.log | tail -n 4
+grep -h "pooled" "$RUN"/eval_*/eval.log | tail -n 5

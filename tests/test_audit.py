@@ -300,6 +300,22 @@ def test_flipped_byte_in_the_weights(run):
     assert "checksum mismatch" in fails["weight file structure"][0].message
 
 
+def test_gptq_calibration_traces_are_checked(run):
+    """A --fit gptq pack names its calibration traces; the audit checks they still hold the recorded bytes."""
+    traces = run / "traces" / "traces.jsonl"
+    assert main(["pack", "--checkpoint", str(run / "draft"), "--out", str(run / "model"), "--overwrite",
+                 "--fit", "gptq", "--calibration", str(traces), "--calibration-sequences", "4"]) == 0
+    report = _audit(run, greedy_check=0)
+    assert report.passed, [(f.check, f.message) for f in report.failed]
+    assert [f.status for f in report.findings if f.check == "calibration"] == ["pass"]
+    _edit_json(run / "model" / "pack_recipe.json", "calibration.traces", str(run / "moved" / "traces.jsonl"))
+    report = _audit(run, greedy_check=0)  # recorded path gone, but the run's traces hold the recorded bytes
+    assert report.passed and [f.status for f in report.findings if f.check == "calibration"] == ["pass"]
+    _edit_json(run / "model" / "pack_recipe.json", "calibration.sha256", "0" * 64)
+    (bad,) = _failed(_audit(run, greedy_check=0))["calibration"]
+    assert bad.cites[0] == {"file": "model/pack_recipe.json", "field": "calibration.sha256"}
+
+
 def test_stray_file_in_the_model_dir(run):
     (run / "model" / "notes.txt").write_text("not a model file")
     assert main(["audit", str(run), "--greedy-check", "0", "--no-serve-check"]) == 1  # the CLI's exit code

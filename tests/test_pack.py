@@ -129,6 +129,8 @@ def test_cli_end_to_end(tiny_llama_dir, tmp_path, caplog, capsys, monkeypatch):
     ({"estimate": "c.json", "out": "y"}, "--estimate takes a config alone"),
     ({"estimate": "c.json", "group_size": 63}, "even"),
     ({"estimate": "c.json", "group_size": 0}, "greater than or equal"),
+    ({"checkpoint": "x", "out": "y", "fit": "gptq"}, "needs --calibration"),
+    ({"checkpoint": "x", "out": "y", "calibration": "t.jsonl"}, "only used by --fit gptq"),
 ])
 def test_config_combinations_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -149,6 +151,52 @@ def test_checkpoint_missing_weights_refused(tiny_qwen3_dir, tmp_path):
     with pytest.raises(ValueError, match="up_proj"):
         run_pack(PackConfig(checkpoint=str(src), out=str(tmp_path / "out")))
     assert not (tmp_path / "out").exists()
+
+
+def test_gptq_pack_is_calibrated_and_recorded(tiny_qwen3_dir, tmp_path):
+    """--fit gptq: every q4g tensor gets calibrated codes, the recipe names the calibration traces, the model
+    loads like any packed model, and on the calibration text it stays closer to the float model than the
+    plain rounding does (what the calibration optimises, layer by layer)."""
+    gen = torch.Generator().manual_seed(3)
+    traces = tmp_path / "traces.jsonl"
+    with open(traces, "w") as f:
+        for i in range(12):
+            ids = torch.randint(0, 300, (40,), generator=gen).tolist()
+            f.write(json.dumps({"id": f"t{i}", "source": "test", "prompt_ids": ids[:16],
+                                "completion_ids": ids[16:]}) + "\n")
+    cfg = dict(checkpoint=str(tiny_qwen3_dir), group_size=16)
+    gptq = run_pack(PackConfig(**cfg, out=str(tmp_path / "g"), fit="gptq", calibration=str(traces),
+                               calibration_sequences=8)).out
+    plain = run_pack(PackConfig(**cfg, out=str(tmp_path / "m"))).out
+    recipe = json.loads((gptq / "pack_recipe.json").read_text())
+    header = qd4.read_qd4_header(gptq / "draft.qd4")
+    q4g = [e.name for e in header.entries if e.encoding == "q4g"]
+    assert header.producer["fit"] == "gptq" and recipe["format"]["fit"] == "gptq"
+    assert recipe["calibration"]["sha256"] == sha256_file(traces)
+    assert recipe["calibration"]["sequences"] == 8 and recipe["calibration"]["tokens"] == 8 * 40
+    assert recipe["calibration"]["calibrated_tensors"] == len(q4g) > 0
+    assert (gptq / "draft.qd4").stat().st_size == (plain / "draft.qd4").stat().st_size
+    reference = _float_model(tiny_qwen3_dir)
+    ids = torch.tensor([json.loads(line)["prompt_ids"] + json.loads(line)["completion_ids"]
+                        for line in traces.read_text().splitlines()[:8]])
+    ref = _logits(reference, ids)
+    errors = {}
+    for name, out in (("gptq", gptq), ("minmax", plain)):
+        model, info = load_packed_model(out)
+        assert info.missing == 0 and info.unexpected == 0
+        errors[name] = float((_logits(model, ids) - ref).norm() / ref.norm())
+    assert errors["gptq"] < errors["minmax"], errors
+
+
+def test_gptq_pack_refuses_bad_calibration(tiny_qwen3_dir, tmp_path):
+    bad = tmp_path / "other_vocab.jsonl"
+    bad.write_text(json.dumps({"id": "t", "source": "x", "prompt_ids": [1, 2], "completion_ids": [99999]}) + "\n")
+    for path, message in ((tmp_path / "missing.jsonl", "no such calibration traces file"),
+                          (bad, "outside the draft's vocabulary")):
+        with pytest.raises((ValueError, OSError), match=message):
+            run_pack(PackConfig(checkpoint=str(tiny_qwen3_dir), out=str(tmp_path / "out"), fit="gptq",
+                                calibration=str(path)))
+        assert not (tmp_path / "out").exists()
 
 
 # -------------------------------------------------------------------------------------------- load

@@ -79,6 +79,60 @@ def test_lsq_fit_never_worse_than_minmax(w, group_size):
 
 
 @SETTINGS
+@given(w=matrices(), group_size=group_sizes, act_order=st.booleans())
+def test_gptq_with_identity_hessian_is_minmax(w, group_size, act_order):
+    """No correlation between inputs: no error moves, so the calibrated codes are the plain ones."""
+    assume(torch.isfinite(w).all() and w.abs().max() < qd4.FP16_MAX)
+    got = qd4.gptq_quantize(w, torch.eye(w.shape[1]), group_size, act_order=act_order)
+    expect = qd4.quantize(w, group_size)
+    assert got.shape == expect.shape
+    for a, b in zip(got[:3], expect[:3]):
+        assert torch.equal(a, b)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 12), k=st.integers(2, 150), group_size=group_sizes)
+def test_gptq_codes_in_range_and_first_group_grid_is_minmax(seed, n, k, group_size):
+    """Codes 0..15 in the q4g layout; the first group's grid is fitted before any error has moved, so it is
+    plain minmax's (later groups are fitted on weights already updated, so they differ)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(4 * k, k, generator=gen) @ torch.randn(k, k, generator=gen)
+    q = qd4.gptq_quantize(w, x.T @ x / len(x), group_size)
+    codes = qd4.unpack_codes(q.codes)
+    assert q.shape == (n, k) and codes.shape[1] == -(-k // group_size) * group_size and int(codes.max()) <= 15
+    assert torch.isfinite(q.scales).all() and (q.scales >= 0).all() and torch.isfinite(q.mins).all()
+    plain = qd4.quantize(w, group_size)
+    assert torch.equal(q.scales[:, 0], plain.scales[:, 0]) and torch.equal(q.mins[:, 0], plain.mins[:, 0])
+    assert qd4.dequantize(q).shape == w.shape
+
+
+def test_gptq_lowers_the_layer_output_error():
+    """What GPTQ is for: on correlated inputs, X Wq^T stays closer to X W^T than with plain rounding."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 192, generator=gen)
+    x = torch.randn(2048, 192, generator=gen) @ torch.randn(192, 192, generator=gen) + torch.randn(2048, 1,
+                                                                                                  generator=gen)
+    h = x.T @ x / len(x)
+
+    def output_error(q):
+        return float((x @ (qd4.dequantize(q) - w).T).pow(2).mean())
+
+    plain = output_error(qd4.quantize(w, 64))
+    assert output_error(qd4.gptq_quantize(w, h, 64)) < 0.7 * plain
+    assert output_error(qd4.gptq_quantize(w, h, 64, act_order=True)) < 0.7 * plain
+
+
+def test_gptq_bad_inputs_refused():
+    with pytest.raises(ValueError, match="hessian must be"):
+        qd4.gptq_quantize(torch.randn(4, 8), torch.eye(6), 4)
+    with pytest.raises(ValueError, match="2-D"):
+        qd4.gptq_quantize(torch.randn(8), torch.eye(8), 4)
+    with pytest.raises(ValueError, match="NaN"):
+        qd4.gptq_quantize(torch.full((2, 8), float("nan")), torch.eye(8), 4)
+
+
+@SETTINGS
 @given(codes=arrays(np.uint8, st.tuples(st.integers(0, 5), st.integers(0, 20).map(lambda m: 2 * m)),
                     elements=st.integers(0, 15)))
 def test_unpack_inverts_pack(codes):
@@ -144,6 +198,26 @@ def test_write_read_bit_exact(tmp_path_factory, w, norm, group_size, raw):
     again = path.with_name("y.qd4")
     qd4.write_qd4(again, tensors, {"w": "q4g", "norm": raw, "w_bf16": "q4g"}, group_size)
     assert again.read_bytes() == path.read_bytes()
+
+
+def test_write_precomputed_codes(tmp_path):
+    """Codes chosen outside the writer (GPTQ) are stored as given; the rest are encoded with the fit."""
+    w, v = torch.randn(6, 40), torch.randn(3, 40)
+    x = torch.randn(200, 40) @ torch.randn(40, 40)
+    calibrated = qd4.gptq_quantize(w, x.T @ x / 200, 8)
+    header = qd4.write_qd4(tmp_path / "g.qd4", {"w": w, "v": v}, {"w": "q4g", "v": "q4g"}, 8, "gptq",
+                           quantized={"w": calibrated})
+    assert header.producer["fit"] == "gptq"
+    _, stored = qd4.read_qd4(tmp_path / "g.qd4")
+    for a, b in zip(stored["w"][:3], calibrated[:3]):
+        assert torch.equal(a, b)
+    for a, b in zip(stored["v"][:3], qd4.quantize(v, 8)[:3]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="not stored as q4g"):
+        qd4.write_qd4(tmp_path / "h.qd4", {"w": w}, {"w": "f16"}, 8, quantized={"w": calibrated})
+    with pytest.raises(ValueError, match="at G=8, not"):
+        qd4.write_qd4(tmp_path / "h.qd4", {"w": w}, {"w": "q4g"}, 4, quantized={"w": calibrated})
+    assert not (tmp_path / "h.qd4").exists()
 
 
 def test_load_dtype_and_quantized_view(tmp_path):

@@ -1204,6 +1204,7 @@ class Audit:
         recipe = self.json(md / "pack_recipe.json")
         self.guard("weight file", lambda: self._pack_weight(arch, recipe))
         self.guard("recipe source", lambda: self._pack_source(recipe))
+        self.guard("calibration", lambda: self._pack_calibration(recipe))
         self.guard("side files", self._pack_side_files)
 
     def _weight_path(self, arch: dict | None) -> Path:
@@ -1261,6 +1262,26 @@ class Audit:
                                  f"the packed checkpoint and {self.rel(self.paths.checkpoint)} on disk "
                                  "(weights sha256)",
                                  [self.cite(rp, "source.weights_sha256"), self.cite(self.paths.checkpoint)], _short)
+
+    def _pack_calibration(self, recipe: dict | None) -> None:
+        """--fit gptq chose codes from traces: the file it names must still hold the recorded bytes."""
+        calibration = (recipe or {}).get("calibration")
+        if not calibration:
+            return
+        rp = self.paths.model_dir / "pack_recipe.json"
+        path = Path(str(calibration.get("traces")))
+        cites = [self.cite(rp, "calibration.sha256"), self.cite(path)]
+        if not path.is_file():  # a moved run dir: its own traces may be the calibration file
+            if self.paths.traces.is_file() and self.sha(self.paths.traces) == calibration.get("sha256"):
+                self.add("calibration", "pass", f"the gptq calibration traces ({path}, not on disk) are the run's "
+                         f"traces {self.rel(self.paths.traces)} (sha256 {_short(calibration.get('sha256'))})",
+                         [*cites, self.cite(self.paths.traces)])
+            else:
+                self.add("calibration", "fail", f"calibration traces {path} are gone (recorded sha256 "
+                         f"{_short(calibration.get('sha256'))})", cites)
+            return
+        self.check_equal("calibration", self.sha(path), calibration.get("sha256"),
+                         f"the gptq calibration traces {self.rel(path)} and pack_recipe.json (sha256)", cites, _short)
 
     def _pack_side_files(self) -> None:
         from .pack import TOKENIZER_FILES

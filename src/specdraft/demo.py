@@ -42,6 +42,8 @@ class Budget:
     spec_tokens: int
     spec_k: list[int] = field(default_factory=lambda: [2, 4, 8, 16])
     qat: bool = False  # train through the 4-bit rounding of the pack that follows (its group size)
+    # GPTQ-calibrate the pack on the run's traces; not after QAT, whose weights are fitted to plain rounding
+    gptq: bool = False
 
 
 # The draft keeps 24 of the target's 30 layers (drops 16-21) and trains only the last 12 (the first 12 stay
@@ -56,9 +58,11 @@ BUDGETS: dict[str, Budget] = {
                     freeze_layers=FROZEN_LAYERS, val_prompts=16, val_tokens=64, spec_prompts=3, spec_tokens=48,
                     spec_k=[2, 4, 8], qat=True),
     "default": Budget(trace_prompts=480, trace_tokens=128, draft_init=DRAFT_INIT, epochs=3, lr=5e-4,
-                      freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=128, spec_prompts=8, spec_tokens=96),
+                      freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=128, spec_prompts=8, spec_tokens=96,
+                      gptq=True),
     "full": Budget(trace_prompts=2000, trace_tokens=128, draft_init=DRAFT_INIT, epochs=3, lr=5e-4,
-                   freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=192, spec_prompts=16, spec_tokens=128),
+                   freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=192, spec_prompts=16, spec_tokens=128,
+                   gptq=True),
 }
 
 
@@ -159,7 +163,9 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
     _stage(run_dir, "validation", val_cfg.to_json_dict(), lambda: {"rows": run_validation(val_cfg).rows})
 
     init_spec = budget.draft_init.format(target=cfg.target)
-    pack_cfg = PackConfig(checkpoint=str(run_dir / "draft"), out=str(run_dir / "model"), overwrite=True)
+    pack_cfg = PackConfig(checkpoint=str(run_dir / "draft"), out=str(run_dir / "model"), overwrite=True,
+                          **({"fit": "gptq", "calibration": str(run_dir / "traces" / "traces.jsonl")}
+                             if budget.gptq else {}))
     train_cfg = TrainConfig(traces=str(run_dir / "traces" / "traces.jsonl"), init=init_spec,
                             out=str(run_dir / "draft"), target=cfg.target, epochs=budget.epochs, lr=budget.lr,
                             freeze_layers=budget.freeze_layers, threads=cfg.threads,

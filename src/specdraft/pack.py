@@ -45,9 +45,19 @@ class PackConfig(StageConfig):
     embedding_encoding: Literal["q4g", "f16", "bf16", "f32"] = Field(
         "q4g", description="encoding of the input embedding (the tied lm_head with it)",
         json_schema_extra={"aliases": ["--keep-embedding"]})
-    fit: Literal["minmax", "lsq"] = Field(
-        "minmax", description="how q4g picks each group's scale and min: minmax (range / 15, error <= half a "
-                              "step) or lsq (least-squares refinement: lower squared error, may clip)")
+    fit: Literal["minmax", "lsq", "gptq"] = Field(
+        "minmax", description="how q4g picks codes: minmax (range / 15, error <= half a step), lsq (least-squares "
+                              "scale and min per group, may clip) or gptq (rounding calibrated on --calibration "
+                              "traces, layer by layer, to keep each layer's outputs; same grid as minmax)")
+    calibration: str | None = Field(
+        None, description="traces JSONL (specdraft traces) whose prompts + completions calibrate --fit gptq")
+    calibration_sequences: int = Field(128, ge=1, description="traces used to calibrate, spread over the file")
+    calibration_tokens: int = Field(512, ge=16, description="tokens kept per calibration trace (its last ones)")
+    gptq_damp: float = Field(qd4.DEFAULT_GPTQ_DAMP, gt=0, le=1,
+                             description="GPTQ damping: fraction of the mean Hessian diagonal added to it")
+    gptq_act_order: bool = Field(qd4.DEFAULT_GPTQ_ACT_ORDER,
+                                 description="GPTQ rounds columns by decreasing input energy, every group's grid "
+                                             "fitted first (static groups); --no-gptq-act-order: left to right")
     raw_encoding: Literal["f16", "bf16", "f32"] = Field(
         "f16", description="encoding of the tensors that are not 2-D matrices (norms, biases)")
     overwrite: bool = Field(False, description="replace an existing non-empty --out dir")
@@ -56,6 +66,10 @@ class PackConfig(StageConfig):
     def _one_mode(self) -> "PackConfig":
         if self.group_size % 2:
             raise ValueError(f"group_size must be even, got {self.group_size}")
+        if self.fit == "gptq" and self.calibration is None and self.estimate is None:
+            raise ValueError("--fit gptq needs --calibration TRACES.jsonl (traces of the target)")
+        if self.calibration is not None and self.fit != "gptq":
+            raise ValueError("--calibration is only used by --fit gptq")
         if self.estimate is not None:
             if self.checkpoint is not None or self.out is not None:
                 raise ValueError("--estimate takes a config alone: drop --checkpoint/--out")
@@ -113,6 +127,8 @@ def run_pack(cfg: PackConfig) -> PackResult:
         with stage_log(tmp / "pack.log", "specdraft.pack"):
             log.info("packing %s (%s) into %s: G=%d, fit %s, embedding %s", cfg.checkpoint, src, out,
                      cfg.group_size, cfg.fit, cfg.embedding_encoding)
+            if cfg.calibration is not None and not Path(cfg.calibration).is_file():
+                raise FileNotFoundError(f"{cfg.calibration}: no such calibration traces file")
             source_sha = weights_sha256(src)
             model = _load_source(src)
             tensors = qd4.stored_tensors(model)
@@ -120,7 +136,9 @@ def run_pack(cfg: PackConfig) -> PackResult:
             encodings = qd4.choose_encodings({n: tuple(t.shape) for n, t in tensors.items()}, emb_name,
                                              embedding_encoding=cfg.embedding_encoding,
                                              raw_encoding=cfg.raw_encoding)
-            header = qd4.write_qd4(tmp / WEIGHT_FILE, tensors, encodings, cfg.group_size, cfg.fit, progress=True)
+            quantized, calibration = _calibrate(cfg, model, encodings)
+            header = qd4.write_qd4(tmp / WEIGHT_FILE, tensors, encodings, cfg.group_size, cfg.fit, progress=True,
+                                   quantized=quantized)
             nbytes = (tmp / WEIGHT_FILE).stat().st_size
             file_sha = sha256_file(tmp / WEIGHT_FILE)
             _copy_side_files(src, tmp, model)
@@ -132,6 +150,7 @@ def run_pack(cfg: PackConfig) -> PackResult:
                 "format": {"magic": qd4.MAGIC.decode(), "version": qd4.FORMAT_VERSION, "bits": qd4.BITS,
                            "group_size": cfg.group_size, "alignment": qd4.ALIGN, "fit": cfg.fit},
                 "encodings": encodings,
+                **({"calibration": calibration} if calibration else {}),
                 "output": {"weight_file": WEIGHT_FILE, "bytes": nbytes, "sha256": file_sha,
                            "payload_sha256": header.payload_sha256},
                 "seconds": seconds,
@@ -161,6 +180,31 @@ def _run_estimate(cfg: PackConfig) -> PackResult:
     return PackResult(bytes=n)
 
 
+def _calibrate(cfg: PackConfig, model, encodings: dict[str, str]
+               ) -> tuple[dict[str, qd4.QuantizedTensor], dict[str, Any] | None]:
+    """GPTQ codes for the q4g tensors and the recipe's record of the calibration (nothing unless --fit gptq)."""
+    if cfg.fit != "gptq":
+        return {}, None
+    path = Path(cfg.calibration)
+    sequences = calibration_sequences(path, cfg.calibration_sequences, cfg.calibration_tokens)
+    vocab = model.get_input_embeddings().num_embeddings
+    if any(t < 0 or t >= vocab for ids in sequences for t in ids):
+        raise ValueError(f"{path}: token ids outside the draft's vocabulary [0, {vocab}): traces of another "
+                         "tokenizer?")
+    tokens = sum(map(len, sequences))
+    log.info("gptq: calibrating on %d traces (%s tokens) from %s", len(sequences), f"{tokens:,}", path)
+    started = time.time()
+    embedding = qd4.embedding_name(model)
+    quantized = gptq_calibrate(model, sequences, cfg.group_size, cfg.gptq_damp, cfg.gptq_act_order,
+                               embedding_gptq=encodings.get(embedding) == "q4g")
+    quantized = {n: q for n, q in quantized.items() if encodings.get(n) == "q4g"}
+    log.info("gptq: %d tensors calibrated in %.1fs", len(quantized), time.time() - started)
+    return quantized, {"traces": str(path.resolve()), "sha256": sha256_file(path), "sequences": len(sequences),
+                       "tokens": tokens, "max_tokens_per_sequence": cfg.calibration_tokens, "damp": cfg.gptq_damp,
+                       "act_order": cfg.gptq_act_order,
+                       "calibrated_tensors": len(quantized)}
+
+
 def _load_source(src: Path):
     from transformers import AutoModelForCausalLM
     model, info = AutoModelForCausalLM.from_pretrained(src, dtype="auto", output_loading_info=True)
@@ -168,6 +212,100 @@ def _load_source(src: Path):
         # from_pretrained would fill these with random values: packing them would be silent garbage.
         raise ValueError(f"{src}: checkpoint lacks weights {sorted(info['missing_keys'])}")
     return model.eval()
+
+
+class _StopForward(Exception):
+    pass
+
+
+def calibration_sequences(path: str | os.PathLike, count: int, max_tokens: int) -> list[list[int]]:
+    """``count`` traces (prompt + the target's completion) spread evenly over the file, each cut to its last
+    ``max_tokens`` tokens: calibration text from the distribution the draft is trained and used on."""
+    from .train import read_traces
+
+    examples = read_traces(path, max_tokens)
+    step = len(examples) / min(count, len(examples))
+    return [examples[int(i * step)].input_ids for i in range(min(count, len(examples)))]
+
+
+@torch.no_grad()
+def gptq_calibrate(model, sequences: list[list[int]], group_size: int, damp: float = qd4.DEFAULT_GPTQ_DAMP,
+                   act_order: bool = qd4.DEFAULT_GPTQ_ACT_ORDER, embedding_gptq: bool = True, progress: bool = True
+                   ) -> dict[str, qd4.QuantizedTensor]:
+    """GPTQ every 2-D weight of a decoder-only model, one decoder layer at a time (``model.model.layers``).
+
+    Each layer's Hessians come from the outputs of the layers before it *as already quantised*, so a layer
+    corrects for the error of those below. The head (tied to the embedding, when it is) uses the final
+    hidden states; an untied input embedding has no inputs to weigh and is rounded plainly. The model's
+    weights are replaced by their dequantised values along the way. Returns {stored name: codes}.
+    """
+    from tqdm import tqdm
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not len(layers):
+        raise ValueError(f"gptq: {type(model).__name__} has no model.layers (decoder-only models only)")
+    layer_types = getattr(model.config, "layer_types", None)
+    if layer_types and len(set(layer_types)) > 1:  # layer 0's attention inputs are reused for every layer
+        raise ValueError(f"gptq: layers of different attention types ({sorted(set(layer_types))}) are not supported")
+    names = {id(p): n for n, p in model.named_parameters()}  # tied parameters under their first name
+    cached: list[tuple[tuple, dict]] = []
+
+    def grab(module, args, kwargs):
+        cached.append((args, kwargs))
+        raise _StopForward
+
+    handle = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for ids in sequences:
+            try:
+                model(input_ids=torch.tensor([ids]), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+
+    out: dict[str, qd4.QuantizedTensor] = {}
+
+    def quantize_linears(linears: dict[str, torch.nn.Linear], run) -> None:
+        sums = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in linears.items()}
+        counts = dict.fromkeys(linears, 0)
+
+        def hook(name):
+            def accumulate(module, inputs, output):
+                x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+                sums[name] += x.T @ x
+                counts[name] += x.shape[0]
+            return accumulate
+
+        handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+        try:
+            run()
+        finally:
+            for h in handles:
+                h.remove()
+        for n, m in linears.items():
+            q = qd4.gptq_quantize(m.weight, sums[n] / max(1, counts[n]), group_size, damp, act_order)
+            m.weight.copy_(qd4.dequantize(q, m.weight.dtype))
+            out[names[id(m.weight)]] = q
+
+    def hidden(args: tuple, kwargs: dict) -> torch.Tensor:
+        return args[0] if args else kwargs["hidden_states"]
+
+    def with_hidden(args: tuple, kwargs: dict, result) -> tuple[tuple, dict]:
+        h = result[0] if isinstance(result, tuple) else result
+        return ((h, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": h})
+
+    for layer in tqdm(layers, desc="gptq", unit="layer", disable=not progress):
+        linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+        quantize_linears(linears, lambda: [layer(*a, **kw) for a, kw in cached])
+        cached = [with_hidden(a, kw, layer(*a, **kw)) for a, kw in cached]
+
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    if isinstance(head, torch.nn.Linear) and (embedding_gptq or not tied):
+        norm = getattr(model.model, "norm", None) or torch.nn.Identity()
+        quantize_linears({"head": head}, lambda: [head(norm(hidden(a, kw))) for a, kw in cached])
+    return out
 
 
 def _copy_side_files(src: Path, out: Path, model) -> None:

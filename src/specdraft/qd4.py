@@ -45,7 +45,12 @@ _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.floa
                 torch.float64: "float64"}
 _HASH_CHUNK = 64 << 20
 _BLOCK_ROWS = 8192
-FITS = ("minmax", "lsq")
+FITS = ("minmax", "lsq")  # per-tensor encoders; "gptq" (calibrated, whole-model) hands write_qd4 its codes
+PRODUCER_FITS = (*FITS, "gptq")
+# GPTQ defaults, measured on the trained draft (BENCHMARKS.md): damping as a fraction of the mean Hessian diagonal
+# (GPTQ's usual 0.01 accepted less), columns by decreasing input energy with static groups
+DEFAULT_GPTQ_DAMP = 0.1
+DEFAULT_GPTQ_ACT_ORDER = True
 
 
 class QD4Error(ValueError):
@@ -272,6 +277,82 @@ def fake_quantize(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> torc
     return torch.addcmul(m, q, s).view(n, -1)[:, :k].to(w.dtype)
 
 
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
+                  damp: float = DEFAULT_GPTQ_DAMP, act_order: bool = DEFAULT_GPTQ_ACT_ORDER) -> QuantizedTensor:
+    """Calibrated q4g (GPTQ, Frantar et al. 2022): the same grid and file as ``quantize``, other codes.
+
+    ``hessian`` [K, K] is the mean of x xᵀ over calibration inputs x of this layer. Columns are rounded one
+    at a time; each column's rounding error is pushed onto the columns not yet rounded, weighted by the
+    inverse Hessian, so the layer's output error on the calibration inputs is (approximately) least squares
+    instead of each weight's. ``damp`` (a fraction of the mean diagonal) keeps the inverse stable.
+
+    With ``act_order`` (the default) the columns go in decreasing order of their input energy (the Hessian
+    diagonal) and every group's grid (minmax, fp16) is fitted first, on the original weights ("static
+    groups": the file's groups stay contiguous). Left to right, a group's grid is fitted when its first
+    column is reached, on the weights updated so far. With an identity Hessian no error moves and
+    either way the result is exactly ``quantize(w, group_size)``.
+    """
+    _check_group_size(group_size)
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"q4g quantises 2-D floating-point tensors, got {tuple(w.shape)} {w.dtype}")
+    n, k = w.shape
+    if hessian.shape != (k, k):
+        raise ValueError(f"hessian must be [{k}, {k}] for a weight of shape {tuple(w.shape)}, got "
+                         f"{tuple(hessian.shape)}")
+    if not (torch.isfinite(w).all() and torch.isfinite(hessian).all()):
+        raise ValueError("gptq: weight or hessian holds NaN or infinite values")
+    h = hessian.detach().to(torch.float64).clone()
+    dead = torch.diagonal(h) <= 0  # inputs never seen: nothing to protect, round them plainly
+    h[dead, :] = 0
+    h[:, dead] = 0
+    h[dead, dead] = 1
+    h.diagonal().add_(damp * float(torch.diagonal(h).mean()))
+    order = (torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order
+             else torch.arange(k))
+    weight = w.detach().to(torch.float64)[:, order].clone()       # columns in processing order
+    h = h[order][:, order]
+    # upper Cholesky factor of H^-1: row i holds the weights that spread column i's error onto columns > i
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    ng = num_groups(k, group_size)
+    codes = torch.empty(n, ng * group_size, dtype=torch.uint8)
+    scales = torch.empty(n, ng, dtype=torch.float16)
+    mins = torch.empty(n, ng, dtype=torch.float16)
+
+    def fit_grid(g: int, block: torch.Tensor) -> None:
+        # the grid exactly as quantize_groups computes it (float32, fp16 parameters)
+        lo, hi = block.amin(dim=1), block.amax(dim=1)
+        if max(-float(lo.min()), float(hi.max())) > FP16_MAX:
+            raise ValueError(f"q4g: values beyond the fp16 range (|x| > {FP16_MAX:g}) cannot be stored")
+        scales[:, g], mins[:, g] = ((hi - lo) / QMAX).to(torch.float16), lo.to(torch.float16)
+
+    if act_order:
+        original = w.detach().float()
+        for g in range(ng):
+            fit_grid(g, original[:, g * group_size:(g + 1) * group_size])
+    # left to right, a block is one group so that its grid sees every earlier group's error
+    block = 128 if act_order else group_size
+    col_of = order.tolist()
+    for b0 in range(0, k, block):
+        b1 = min(k, b0 + block)
+        if not act_order:
+            fit_grid(b0 // group_size, weight[:, b0:b1].float())
+        errors = torch.empty(n, b1 - b0, dtype=torch.float64)
+        for i in range(b0, b1):
+            j = col_of[i]
+            s, m = scales[:, j // group_size].float(), mins[:, j // group_size].float()
+            inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+            col = weight[:, i]
+            q = ((col.float() - m) * inv).round_().clamp_(0, QMAX)  # codes as _codes computes them
+            codes[:, j] = q.to(torch.uint8)
+            err = (col - torch.addcmul(m, q, s).double()) / hinv[i, i]
+            weight[:, i + 1:b1] -= err.unsqueeze(1) * hinv[i, i + 1:b1].unsqueeze(0)
+            errors[:, i - b0] = err
+        weight[:, b1:] -= errors @ hinv[b0:b1, b1:]   # the block's error, onto the columns after it
+    if ng * group_size > k:  # padding repeats the last real code, as quantize_groups' padding does
+        codes[:, k:] = codes[:, k - 1:k]
+    return QuantizedTensor(pack_codes(codes), scales, mins, (n, k))
+
+
 def int4pack_scales_and_zeros(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """[Ng, N, 2] (scale, zero) for ``aten._weight_int4pack_mm_for_cpu``, whose dequantisation is
     ``(code - 8) * scale + zero``: so zero = min + 8 * scale. Needs K % G == 0 (no padded group)."""
@@ -362,10 +443,15 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _encode(t: torch.Tensor, encoding: str, group_size: int, fit: str) -> list[tuple[int, memoryview]]:
-    """(offset inside the payload, bytes) for one tensor."""
+def _encode(t: torch.Tensor, encoding: str, group_size: int, fit: str, q: QuantizedTensor | None = None
+            ) -> list[tuple[int, memoryview]]:
+    """(offset inside the payload, bytes) for one tensor; ``q``: its q4g codes, when already computed."""
     if encoding == "q4g":
-        q = quantize(t, group_size, fit)
+        if q is None:
+            q = quantize(t, group_size, fit if fit in FITS else "minmax")
+        elif q.shape != tuple(t.shape) or q.group_size != group_size:
+            raise ValueError(f"precomputed codes are for shape {list(q.shape)} at G={q.group_size}, "
+                             f"not {list(t.shape)} at G={group_size}")
         (c_off, _), (s_off, _), (m_off, _) = q4g_parts(tuple(t.shape), group_size)
         return [(c_off, _tensor_bytes(q.codes)), (s_off, _tensor_bytes(q.scales)), (m_off, _tensor_bytes(q.mins))]
     if not t.is_floating_point():
@@ -384,8 +470,12 @@ def _progress(entries: tuple[QD4Entry, ...], enabled: bool, name: str):
 
 
 def write_qd4(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], encodings: Mapping[str, str],
-              group_size: int = DEFAULT_GROUP_SIZE, fit: str = "minmax", progress: bool = False) -> QD4Header:
+              group_size: int = DEFAULT_GROUP_SIZE, fit: str = "minmax", progress: bool = False,
+              quantized: Mapping[str, QuantizedTensor] | None = None) -> QD4Header:
     """Write ``tensors`` (file order = mapping order) with one encoding each; atomic (temp file + rename).
+
+    ``quantized`` holds codes already chosen for some q4g tensors (by ``gptq_quantize``); the others are
+    encoded here with ``fit`` (minmax when ``fit`` names no per-tensor encoder). ``fit`` is recorded.
 
     The data is streamed: a header with a placeholder checksum goes first, the payload is hashed as it is
     written, then the header is rewritten in place with the real sha256 (same width, same length).
@@ -395,8 +485,12 @@ def write_qd4(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], enco
     missing = [n for n in tensors if n not in encodings]
     if missing:
         raise ValueError(f"no encoding given for {missing}")
-    if fit not in FITS:
-        raise ValueError(f"unknown fit {fit!r} (known: {', '.join(FITS)})")
+    if fit not in PRODUCER_FITS:
+        raise ValueError(f"unknown fit {fit!r} (known: {', '.join(PRODUCER_FITS)})")
+    quantized = dict(quantized or {})
+    stray = [n for n in quantized if n not in tensors or encodings[n] != "q4g"]
+    if stray:
+        raise ValueError(f"precomputed codes for tensors that are not stored as q4g: {stray}")
     producer = _producer(fit)
     specs = [(n, tuple(t.shape), dtype_name(t.dtype), encodings[n]) for n, t in tensors.items()]
     entries, data_nbytes = plan_layout(specs, group_size)
@@ -411,7 +505,7 @@ def write_qd4(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], enco
             pos = 0
             for entry in _progress(entries, progress, path.name):
                 try:
-                    parts = _encode(tensors[entry.name], entry.encoding, group_size, fit)
+                    parts = _encode(tensors[entry.name], entry.encoding, group_size, fit, quantized.get(entry.name))
                 except ValueError as e:
                     raise ValueError(f"{entry.name}: {e}") from e
                 for rel, data in parts:

@@ -1,0 +1,114 @@
+"""What 4-bit packing costs a trained draft in acceptance, by how its codes are chosen (plain rounding vs GPTQ).
+
+    .venv/bin/python bench/bench_gptq.py --checkpoint runF3 --validation val80/validation.jsonl \
+        --calibration tr3/traces.jsonl --variants float minmax gptq:128:0.1:act gptq:128:0.01 --out gptq.json
+
+Each variant loads the float checkpoint, replaces its 2-D weights by what the pack would store (G = 64; norms
+stay float32), and scores the simulated acceptance (one teacher-forced pass per validation prompt; exact for
+greedy drafts, see specdraft.train.simulated_acceptance) on every validation point, pooled. Variants:
+  float                        the checkpoint as trained
+  minmax                       plain rounding (specdraft pack's default fit)
+  gptq:SEQS:DAMP[:act]         specdraft.pack.gptq_calibrate on SEQS calibration traces with damping DAMP,
+                               left to right or (":act") by decreasing input energy
+  gptq-linears:SEQS:DAMP[:act] the same, but the tied embedding/head kept in float (what the linears cost)
+  minmax-embedding             only the embedding rounded (what the embedding costs)
+`specdraft pack --fit gptq` then `specdraft eval --compute int4` measure the shipped file itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specdraft import qd4
+from specdraft.models import load_model
+from specdraft.pack import calibration_sequences, gptq_calibrate
+from specdraft.provenance import atomic_write_json, run_metadata, sha256_file
+from specdraft.train import Example, simulated_acceptance
+
+GROUP_SIZE = qd4.DEFAULT_GROUP_SIZE
+
+
+def validation_examples(path: str) -> list[Example]:
+    """One teacher-forced sequence per prompt: its offset-0 context, then the target ids of its points in order."""
+    by_prompt: dict[str, list[dict]] = collections.defaultdict(list)
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                point = json.loads(line)
+                by_prompt[str(point["id"])].append(point)
+    examples = []
+    for pid, points in by_prompt.items():
+        points.sort(key=lambda p: p["offset"])
+        context = points[0]["context_ids"]
+        continuation = [t for p in points for t in p["target_ids"]]
+        examples.append(Example(pid, context + continuation, len(context)))
+    return examples
+
+
+@torch.no_grad()
+def apply_variant(model, variant: str, calibration: str | None) -> dict:
+    name, *params = variant.split(":")
+    stored = qd4.stored_tensors(model)
+    embedding = qd4.embedding_name(model)
+    if name == "float":
+        return {}
+    if name in ("minmax", "minmax-embedding"):
+        for n, t in stored.items():
+            if t.dim() == 2 and (name == "minmax" or n == embedding):
+                t.copy_(qd4.dequantize(qd4.quantize(t, GROUP_SIZE)))
+        return {}
+    if name in ("gptq", "gptq-linears"):
+        if calibration is None:
+            raise SystemExit(f"{variant}: needs --calibration")
+        seqs, damp = int(params[0]), float(params[1])
+        act = len(params) > 2 and params[2] == "act"
+        sequences = calibration_sequences(calibration, seqs, 512)
+        gptq_calibrate(model, sequences, GROUP_SIZE, damp, act, embedding_gptq=name == "gptq")
+        return {"sequences": len(sequences), "tokens": sum(map(len, sequences)), "damp": damp, "act_order": act}
+    raise SystemExit(f"unknown variant {variant!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="float draft checkpoint (a training output dir)")
+    parser.add_argument("--validation", required=True, help="validation.jsonl (specdraft validation)")
+    parser.add_argument("--calibration", default=None, help="traces JSONL for the gptq variants")
+    parser.add_argument("--variants", nargs="+", default=["float", "minmax", "gptq:128:0.1:act"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", required=True, help="JSON results file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    examples = validation_examples(args.validation)
+    rows = []
+    for variant in args.variants:
+        model = load_model(args.checkpoint, dtype=torch.float32).eval()
+        started = time.perf_counter()
+        params = apply_variant(model, variant, args.calibration)
+        quantise_s = time.perf_counter() - started
+        stats = simulated_acceptance(model, examples, k=16)
+        rows.append({"variant": variant, **params, "points": stats.points,
+                     "mean_accepted_pooled": stats.mean_accepted_pooled, "quantise_seconds": round(quantise_s, 1)})
+        print(f"{variant:28s} pooled {stats.mean_accepted_pooled:.3f} over {stats.points} points "
+              f"(quantise {quantise_s:.0f}s)", flush=True)
+        del model
+    base = next((r["mean_accepted_pooled"] for r in rows if r["variant"] == "float"), None)
+    for r in rows:
+        r["relative_to_float"] = None if not base else r["mean_accepted_pooled"] / base - 1
+    atomic_write_json(args.out, {
+        "command": " ".join(["python", *sys.argv]), "checkpoint": args.checkpoint, "group_size": GROUP_SIZE,
+        "validation": {"path": args.validation, "sha256": sha256_file(args.validation), "prompts": len(examples)},
+        "calibration": args.calibration and {"path": args.calibration, "sha256": sha256_file(args.calibration)},
+        "threads": args.threads, "variants": rows, **run_metadata()})
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
