@@ -176,6 +176,9 @@ def test_gptq_pack_is_calibrated_and_recorded(tiny_qwen3_dir, tmp_path):
     assert recipe["calibration"]["sequences"] == 8 and recipe["calibration"]["tokens"] == 8 * 40
     assert recipe["calibration"]["calibrated_tensors"] == len(q4g) > 0
     assert (gptq / "draft.qd4").stat().st_size == (plain / "draft.qd4").stat().st_size
+    again = run_pack(PackConfig(**cfg, out=str(tmp_path / "g2"), fit="gptq", calibration=str(traces),
+                                calibration_sequences=8)).out
+    assert sha256_file(again / "draft.qd4") == sha256_file(gptq / "draft.qd4")  # deterministic at equal threads
     reference = _float_model(tiny_qwen3_dir)
     ids = torch.tensor([json.loads(line)["prompt_ids"] + json.loads(line)["completion_ids"]
                         for line in traces.read_text().splitlines()[:8]])

@@ -201,8 +201,9 @@ def _calibrate(cfg: PackConfig, model, encodings: dict[str, str]
     log.info("gptq: %d tensors calibrated in %.1fs", len(quantized), time.time() - started)
     return quantized, {"traces": str(path.resolve()), "sha256": sha256_file(path), "sequences": len(sequences),
                        "tokens": tokens, "max_tokens_per_sequence": cfg.calibration_tokens, "damp": cfg.gptq_damp,
-                       "act_order": cfg.gptq_act_order,
-                       "calibrated_tensors": len(quantized)}
+                       "act_order": cfg.gptq_act_order, "calibrated_tensors": len(quantized),
+                       # float summation order, hence some codes, depends on it (BENCHMARKS.md)
+                       "torch_threads": torch.get_num_threads()}
 
 
 def _load_source(src: Path):
