@@ -22,7 +22,6 @@ import collections
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
