@@ -92,19 +92,23 @@ def test_gptq_with_identity_hessian_is_minmax(w, group_size, act_order):
 
 @SETTINGS
 @given(seed=st.integers(0, 2**16), n=st.integers(1, 12), k=st.integers(2, 150), group_size=group_sizes)
-def test_gptq_codes_in_range_and_first_group_grid_is_minmax(seed, n, k, group_size):
-    """Codes 0..15 in the q4g layout; the first group's grid is fitted before any error has moved, so it is
-    plain minmax's (later groups are fitted on weights already updated, so they differ)."""
+def test_gptq_codes_in_range_and_grids_are_minmax_where_fitted_on_the_weights(seed, n, k, group_size):
+    """Codes 0..15 in the q4g layout. Act order fits every group's grid on the original weights (static
+    groups), so all grids are plain minmax's; left to right only the first group's is (later groups are
+    fitted on weights already updated)."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen)
     x = torch.randn(4 * k, k, generator=gen) @ torch.randn(k, k, generator=gen)
-    q = qd4.gptq_quantize(w, x.T @ x / len(x), group_size)
-    codes = qd4.unpack_codes(q.codes)
-    assert q.shape == (n, k) and codes.shape[1] == -(-k // group_size) * group_size and int(codes.max()) <= 15
-    assert torch.isfinite(q.scales).all() and (q.scales >= 0).all() and torch.isfinite(q.mins).all()
     plain = qd4.quantize(w, group_size)
-    assert torch.equal(q.scales[:, 0], plain.scales[:, 0]) and torch.equal(q.mins[:, 0], plain.mins[:, 0])
-    assert qd4.dequantize(q).shape == w.shape
+    for act_order in (True, False):
+        q = qd4.gptq_quantize(w, x.T @ x / len(x), group_size, act_order=act_order)
+        codes = qd4.unpack_codes(q.codes)
+        assert q.shape == (n, k) and codes.shape[1] == -(-k // group_size) * group_size and int(codes.max()) <= 15
+        assert torch.isfinite(q.scales).all() and (q.scales >= 0).all() and torch.isfinite(q.mins).all()
+        fitted = slice(None) if act_order else slice(0, 1)
+        assert torch.equal(q.scales[:, fitted], plain.scales[:, fitted])
+        assert torch.equal(q.mins[:, fitted], plain.mins[:, fitted])
+        assert qd4.dequantize(q).shape == w.shape
 
 
 def test_gptq_lowers_the_layer_output_error():
