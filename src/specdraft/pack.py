@@ -197,7 +197,6 @@ def _calibrate(cfg: PackConfig, model, encodings: dict[str, str]
     embedding = qd4.embedding_name(model)
     quantized = gptq_calibrate(model, sequences, cfg.group_size, cfg.gptq_damp, cfg.gptq_act_order,
                                embedding_gptq=encodings.get(embedding) == "q4g")
-    quantized = {n: q for n, q in quantized.items() if encodings.get(n) == "q4g"}
     log.info("gptq: %d tensors calibrated in %.1fs", len(quantized), time.time() - started)
     return quantized, {"traces": str(path.resolve()), "sha256": sha256_file(path), "sequences": len(sequences),
                        "tokens": tokens, "max_tokens_per_sequence": cfg.calibration_tokens, "damp": cfg.gptq_damp,
@@ -217,6 +216,26 @@ def _load_source(src: Path):
 
 class _StopForward(Exception):
     pass
+
+
+class _Hessian:
+    """Running sum of x xᵀ over a linear layer's inputs (float64); ``mean()`` is what GPTQ weighs errors by."""
+
+    def __init__(self, width: int):
+        self.sum = torch.zeros(width, width, dtype=torch.float64)
+        self.count = 0
+
+    @staticmethod
+    def outer(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        x = x.reshape(-1, x.shape[-1]).double()
+        return x.T @ x, x.shape[0]
+
+    def add(self, product: torch.Tensor, count: int) -> None:
+        self.sum += product
+        self.count += count
+
+    def mean(self) -> torch.Tensor:
+        return self.sum / max(1, self.count)
 
 
 def calibration_sequences(path: str | os.PathLike, count: int, max_tokens: int) -> list[list[int]]:
@@ -267,25 +286,9 @@ def gptq_calibrate(model, sequences: list[list[int]], group_size: int, damp: flo
 
     out: dict[str, qd4.QuantizedTensor] = {}
 
-    def quantize_linears(linears: dict[str, torch.nn.Linear], run) -> None:
-        sums = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in linears.items()}
-        counts = dict.fromkeys(linears, 0)
-
-        def hook(name):
-            def accumulate(module, inputs, output):
-                x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
-                sums[name] += x.T @ x
-                counts[name] += x.shape[0]
-            return accumulate
-
-        handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
-        try:
-            run()
-        finally:
-            for h in handles:
-                h.remove()
+    def quantize(linears: dict[str, torch.nn.Linear], hessians: dict[str, "_Hessian"]) -> None:
         for n, m in linears.items():
-            q = qd4.gptq_quantize(m.weight, sums[n] / max(1, counts[n]), group_size, damp, act_order)
+            q = qd4.gptq_quantize(m.weight, hessians[n].mean(), group_size, damp, act_order)
             m.weight.copy_(qd4.dequantize(q, m.weight.dtype))
             out[names[id(m.weight)]] = q
 
@@ -298,14 +301,35 @@ def gptq_calibrate(model, sequences: list[list[int]], group_size: int, damp: flo
 
     for layer in tqdm(layers, desc="gptq", unit="layer", disable=not progress):
         linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
-        quantize_linears(linears, lambda: [layer(*a, **kw) for a, kw in cached])
+        hessians = {n: _Hessian(m.in_features) for n, m in linears.items()}
+        last: list = [None, None]  # q/k/v (and gate/up) read one input tensor: its x xᵀ is computed once
+
+        def accumulate(name):
+            def hook(module, inputs, output):
+                if inputs[0] is not last[0]:
+                    last[:] = inputs[0], _Hessian.outer(inputs[0])
+                hessians[name].add(*last[1])
+            return hook
+
+        handles = [m.register_forward_hook(accumulate(n)) for n, m in linears.items()]
+        try:
+            for a, kw in cached:
+                layer(*a, **kw)
+        finally:
+            for h in handles:
+                h.remove()
+        last[:] = None, None
+        quantize(linears, hessians)
         cached = [with_hidden(a, kw, layer(*a, **kw)) for a, kw in cached]
 
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight
     if isinstance(head, torch.nn.Linear) and (embedding_gptq or not tied):
         norm = getattr(model.model, "norm", None) or torch.nn.Identity()
-        quantize_linears({"head": head}, lambda: [head(norm(hidden(a, kw))) for a, kw in cached])
+        hessian = _Hessian(head.in_features)
+        for a, kw in cached:  # the head's inputs directly: no need to compute the logits
+            hessian.add(*_Hessian.outer(norm(hidden(a, kw))))
+        quantize({"head": head}, {"head": hessian})
     return out
 
 
