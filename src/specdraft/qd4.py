@@ -163,14 +163,19 @@ def quantize_groups(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, fit: 
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)                                            # [n', Ng]
         if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
             raise ValueError("q4g: tensor holds NaN or infinite values")
-        if max(-lo.min().item(), hi.max().item()) > FP16_MAX:
-            raise ValueError(f"q4g: values beyond the fp16 range (|x| > {FP16_MAX:g}) cannot be stored")
-        s, m = ((hi - lo) / QMAX).to(torch.float16), lo.to(torch.float16)
+        s, m = _minmax_grid(lo, hi, check_range=True)
         if fit == "lsq":
             s, m = _refine_lsq(g, s, m)
         codes[r:r + _BLOCK_ROWS] = _codes(g, s, m).view(x.shape[0], -1)
         scales[r:r + _BLOCK_ROWS], mins[r:r + _BLOCK_ROWS] = s, m
     return codes, scales, mins
+
+
+def _minmax_grid(lo: torch.Tensor, hi: torch.Tensor, check_range: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 (scale, min) of groups whose float32 range is [lo, hi]: the one grid every q4g encoder starts from."""
+    if check_range and max(-float(lo.min()), float(hi.max())) > FP16_MAX:
+        raise ValueError(f"q4g: values beyond the fp16 range (|x| > {FP16_MAX:g}) cannot be stored")
+    return ((hi - lo) / QMAX).to(torch.float16), lo.to(torch.float16)
 
 
 def _codes(g: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -270,8 +275,7 @@ def fake_quantize(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> torc
         x = torch.cat([x, x[:, -1:].expand(n, ng * group_size - k)], dim=1)
     g = x.view(n, ng, group_size)
     lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
-    s = ((hi - lo) / QMAX).to(torch.float16).float()
-    m = lo.to(torch.float16).float()
+    s, m = (t.float() for t in _minmax_grid(lo, hi))  # no range check: no host sync inside a training step
     inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
     q = ((g - m) * inv).round().clamp(0, QMAX)
     return torch.addcmul(m, q, s).view(n, -1)[:, :k].to(w.dtype)
@@ -318,12 +322,8 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = DEFA
     scales = torch.empty(n, ng, dtype=torch.float16)
     mins = torch.empty(n, ng, dtype=torch.float16)
 
-    def fit_grid(g: int, block: torch.Tensor) -> None:
-        # the grid exactly as quantize_groups computes it (float32, fp16 parameters)
-        lo, hi = block.amin(dim=1), block.amax(dim=1)
-        if max(-float(lo.min()), float(hi.max())) > FP16_MAX:
-            raise ValueError(f"q4g: values beyond the fp16 range (|x| > {FP16_MAX:g}) cannot be stored")
-        scales[:, g], mins[:, g] = ((hi - lo) / QMAX).to(torch.float16), lo.to(torch.float16)
+    def fit_grid(g: int, block: torch.Tensor) -> None:  # block: float32, as quantize_groups sees its groups
+        scales[:, g], mins[:, g] = _minmax_grid(block.amin(dim=1), block.amax(dim=1), check_range=True)
 
     if act_order:
         original = w.detach().float()
