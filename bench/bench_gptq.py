@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 import time
 
 import torch
 
 from specdraft import qd4
+from specdraft.evaluate import ValidationPoint, load_validation
 from specdraft.models import load_model
 from specdraft.pack import calibration_sequences, gptq_calibrate
 from specdraft.provenance import atomic_write_json, run_metadata, sha256_file
@@ -36,17 +36,14 @@ GROUP_SIZE = qd4.DEFAULT_GROUP_SIZE
 
 def validation_examples(path: str) -> list[Example]:
     """One teacher-forced sequence per prompt: its offset-0 context, then the target ids of its points in order."""
-    by_prompt: dict[str, list[dict]] = collections.defaultdict(list)
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                point = json.loads(line)
-                by_prompt[str(point["id"])].append(point)
+    by_prompt: dict[str, list[ValidationPoint]] = collections.defaultdict(list)
+    for point in load_validation(path):
+        by_prompt[point.id].append(point)
     examples = []
     for pid, points in by_prompt.items():
-        points.sort(key=lambda p: p["offset"])
-        context = points[0]["context_ids"]
-        continuation = [t for p in points for t in p["target_ids"]]
+        points.sort(key=lambda p: p.offset)
+        context = points[0].context_ids
+        continuation = [t for p in points for t in p.target_ids]
         examples.append(Example(pid, context + continuation, len(context)))
     return examples
 
