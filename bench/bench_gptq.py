@@ -3,8 +3,9 @@
     .venv/bin/python bench/bench_gptq.py --checkpoint runF3 --validation val80/validation.jsonl \
         --calibration tr3/traces.jsonl --variants float minmax gptq:128:0.1:act gptq:128:0.01 --out gptq.json
 
-Each variant loads the float checkpoint, replaces its 2-D weights by what the pack would store (G = 64; norms
-stay float32), and scores the simulated acceptance (one teacher-forced pass per validation prompt; exact for
+Each variant loads the float checkpoint, replaces its 2-D weights by what the pack would store (G = 64, or the
+finer grid a weight already sits on exactly, as `specdraft pack` does unless --no-lossless-grids; norms stay
+float32), and scores the simulated acceptance (one teacher-forced pass per validation prompt; exact for
 greedy drafts, see specdraft.train.simulated_acceptance) on every validation point, pooled. Variants:
   float                        the checkpoint as trained
   minmax                       plain rounding (specdraft pack's default fit)
@@ -49,25 +50,29 @@ def validation_examples(path: str) -> list[Example]:
 
 
 @torch.no_grad()
-def apply_variant(model, variant: str, calibration: str | None) -> dict:
+def apply_variant(model, variant: str, calibration: str | None, lossless_grids: bool = True) -> dict:
     name, *params = variant.split(":")
     stored = qd4.stored_tensors(model)
     embedding = qd4.embedding_name(model)
+    group_sizes = {n: g for n, t in stored.items() if t.dim() == 2
+                   and (g := qd4.lossless_group_size(t, GROUP_SIZE)) != GROUP_SIZE} if lossless_grids else {}
     if name == "float":
         return {}
     if name in ("minmax", "minmax-embedding"):
         for n, t in stored.items():
             if t.dim() == 2 and (name == "minmax" or n == embedding):
-                t.copy_(qd4.dequantize(qd4.quantize(t, GROUP_SIZE)))
-        return {}
+                t.copy_(qd4.dequantize(qd4.quantize(t, group_sizes.get(n, GROUP_SIZE))))
+        return {"finer_grid_tensors": len(group_sizes)}
     if name in ("gptq", "gptq-linears"):
         if calibration is None:
             raise SystemExit(f"{variant}: needs --calibration")
         seqs, damp = int(params[0]), float(params[1])
         act = len(params) > 2 and params[2] == "act"
         sequences = calibration_sequences(calibration, seqs, 512)
-        gptq_calibrate(model, sequences, GROUP_SIZE, damp, act, embedding_gptq=name == "gptq")
-        return {"sequences": len(sequences), "tokens": sum(map(len, sequences)), "damp": damp, "act_order": act}
+        gptq_calibrate(model, sequences, GROUP_SIZE, damp, act, embedding_gptq=name == "gptq",
+                       group_sizes=group_sizes)
+        return {"sequences": len(sequences), "tokens": sum(map(len, sequences)), "damp": damp, "act_order": act,
+                "finer_grid_tensors": len(group_sizes)}
     raise SystemExit(f"unknown variant {variant!r}")
 
 
@@ -78,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration", default=None, help="traces JSONL for the gptq variants")
     parser.add_argument("--variants", nargs="+", default=["float", "minmax", "gptq:128:0.1:act"])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lossless-grids", action=argparse.BooleanOptionalAction, default=True,
+                        help="store weights that sit exactly on a finer grid on it, as specdraft pack does")
     parser.add_argument("--out", required=True, help="JSON results file")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants:
         model = load_model(args.checkpoint, dtype=torch.float32).eval()
         started = time.perf_counter()
-        params = apply_variant(model, variant, args.calibration)
+        params = apply_variant(model, variant, args.calibration, args.lossless_grids)
         quantise_s = time.perf_counter() - started
         stats = simulated_acceptance(model, examples, k=16)
         rows.append({"variant": variant, **params, "points": stats.points,
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", *sys.argv]), "checkpoint": args.checkpoint, "group_size": GROUP_SIZE,
         "validation": {"path": args.validation, "sha256": sha256_file(args.validation), "prompts": len(examples)},
         "calibration": args.calibration and {"path": args.calibration, "sha256": sha256_file(args.calibration)},
-        "threads": args.threads, "variants": rows, **run_metadata()})
+        "threads": args.threads, "lossless_grids": args.lossless_grids, "variants": rows, **run_metadata()})
     print(f"wrote {args.out}")
     return 0
 

@@ -35,7 +35,8 @@ from specdraft.provenance import atomic_write_json, run_metadata, sha256_file
 DATA_DIR = Path("/work/shared/data/train")
 TEXT_FILES = ("code_alpaca_2k.json", "llamafactory_alpaca_en_demo.json", "gpteacher_roleplay_instruct.json")
 VARIANTS: dict[str, dict[str, Any]] = {
-    "q4g-G64": {"group_size": 64},                                   # the default
+    "q4g-G64": {"group_size": 64},                 # the default: tensors already on a finer (G=32) grid keep it
+    "q4g-G64-flat": {"group_size": 64, "lossless_grids": False},     # every tensor at G=64 (before format v2)
     "q4g-G64-lsq": {"group_size": 64, "fit": "lsq"},
     "q4g-G32": {"group_size": 32},
     "q4g-G128": {"group_size": 128},
@@ -43,6 +44,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "q4g-G32+emb-f16": {"group_size": 32, "embedding_encoding": "f16"},
     "q4g-G64-gptq": {"group_size": 64, "fit": "gptq"},                # these need --calibration
     "q4g-G64-gptq+emb-f16": {"group_size": 64, "fit": "gptq", "embedding_encoding": "f16"},
+    "q4g-G64-gptq-flat": {"group_size": 64, "fit": "gptq", "lossless_grids": False},
 }
 
 

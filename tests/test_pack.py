@@ -153,17 +153,21 @@ def test_checkpoint_missing_weights_refused(tiny_qwen3_dir, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def _traces(path, count=12, length=40, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(count):
+            ids = torch.randint(0, 300, (length,), generator=gen).tolist()
+            f.write(json.dumps({"id": f"t{i}", "source": "test", "prompt_ids": ids[:16],
+                                "completion_ids": ids[16:]}) + "\n")
+    return path
+
+
 def test_gptq_pack_is_calibrated_and_recorded(tiny_qwen3_dir, tmp_path):
     """--fit gptq: every q4g tensor gets calibrated codes, the recipe names the calibration traces, the model
     loads like any packed model, and on the calibration text it stays closer to the float model than the
     plain rounding does (what the calibration optimises, layer by layer)."""
-    gen = torch.Generator().manual_seed(3)
-    traces = tmp_path / "traces.jsonl"
-    with open(traces, "w") as f:
-        for i in range(12):
-            ids = torch.randint(0, 300, (40,), generator=gen).tolist()
-            f.write(json.dumps({"id": f"t{i}", "source": "test", "prompt_ids": ids[:16],
-                                "completion_ids": ids[16:]}) + "\n")
+    traces = _traces(tmp_path / "traces.jsonl")
     cfg = dict(checkpoint=str(tiny_qwen3_dir), group_size=16)
     gptq = run_pack(PackConfig(**cfg, out=str(tmp_path / "g"), fit="gptq", calibration=str(traces),
                                calibration_sequences=8)).out
@@ -189,6 +193,45 @@ def test_gptq_pack_is_calibrated_and_recorded(tiny_qwen3_dir, tmp_path):
         assert info.missing == 0 and info.unexpected == 0
         errors[name] = float((_logits(model, ids) - ref).norm() / ref.norm())
     assert errors["gptq"] < errors["minmax"], errors
+
+
+def test_layers_on_a_finer_grid_are_stored_on_it_losslessly(tmp_path):
+    """A layer whose weights sit exactly on a G=32 grid (kept unchanged from a Q4_1 GGUF) is stored at G=32,
+    bit-exact, by both fits; the others at --group-size. --no-lossless-grids stores everything at G=64."""
+    src = build_tiny_model(tmp_path / "src", "qwen3")
+    model = _float_model(src)
+    with torch.no_grad():
+        for m in model.model.layers[0].modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(qd4.dequantize(qd4.quantize(m.weight, 32)))
+    model.save_pretrained(src)
+    on_grid = {n for n, p in model.named_parameters() if n.startswith("model.layers.0.") and p.dim() == 2}
+    traces = _traces(tmp_path / "traces.jsonl")
+    plain = run_pack(PackConfig(checkpoint=str(src), out=str(tmp_path / "m")))
+    gptq = run_pack(PackConfig(checkpoint=str(src), out=str(tmp_path / "g"), fit="gptq", calibration=str(traces),
+                               calibration_sequences=8))
+    off = run_pack(PackConfig(checkpoint=str(src), out=str(tmp_path / "off"), lossless_grids=False))
+    assert len(on_grid) == 7
+    for result in (plain, gptq):
+        recipe = json.loads((result.out / "pack_recipe.json").read_text())
+        assert recipe["group_sizes"] == {n: 32 for n in sorted(on_grid)}
+        header = qd4.read_qd4_header(result.out / "draft.qd4")
+        assert {e.name for e in header.entries if e.group_size == 32} == on_grid
+        assert {e.group_size for e in header.entries if e.name not in on_grid} == {64, None}
+        arch = json.loads((result.out / "architecture.json").read_text())
+        assert arch["q4g_tensors_by_group_size"] == {"32": 7, "64": len(header.entries) - 7 - sum(
+            e.encoding != "q4g" for e in header.entries)}
+        stored = qd4.load_qd4(result.out / "draft.qd4")
+        params = dict(model.named_parameters())
+        assert all(torch.equal(stored[n], params[n]) for n in on_grid), result.out
+        assert not torch.equal(stored["model.layers.1.mlp.up_proj.weight"], params["model.layers.1.mlp.up_proj.weight"])
+    header_off = qd4.read_qd4_header(off.out / "draft.qd4")
+    assert {e.group_size for e in header_off.entries} == {64, None}
+    assert json.loads((off.out / "pack_recipe.json").read_text())["group_sizes"] == {}
+    assert plain.bytes > off.bytes  # +0.5 bit per weight of the 7 matrices kept at G = 32
+    packed, info = load_packed_model(plain.out)  # the strict loader reads each tensor at its own G
+    assert info.missing == 0
+    assert torch.equal(packed.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight)
 
 
 def test_gptq_pack_refuses_bad_calibration(tiny_qwen3_dir, tmp_path):

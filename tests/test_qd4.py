@@ -224,6 +224,107 @@ def test_write_precomputed_codes(tmp_path):
     assert not (tmp_path / "h.qd4").exists()
 
 
+def _on_grid(n, k, group_size, seed=0):
+    """A float32 [n, k] weight that sits exactly on a q4g grid of G: random codes (0 and 15 in every group, so
+    minmax finds the grid again) dequantised with random fp16 scales and mins, as a Q4_1 GGUF layer is."""
+    gen = torch.Generator().manual_seed(seed)
+    ng = k // group_size
+    codes = torch.randint(0, 16, (n, ng, group_size), generator=gen, dtype=torch.uint8)
+    codes[..., 0], codes[..., 1] = 0, 15
+    scales = (torch.rand(n, ng, generator=gen) * 0.02 + 1e-3).half()
+    mins = (-8 * scales.float() + torch.randn(n, ng, generator=gen) * 0.01).half()
+    return qd4.dequantize_groups(codes.view(n, -1), scales, mins, k)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 8), groups=st.integers(1, 6))
+def test_weight_on_a_finer_grid_is_stored_on_it_losslessly(seed, n, groups):
+    w = _on_grid(n, 32 * groups, 32, seed)
+    assert qd4.is_lossless(w, 32)
+    g = qd4.lossless_group_size(w, 64)
+    assert g == (64 if qd4.is_lossless(w, 64) else 32)
+    assert torch.equal(qd4.dequantize(qd4.quantize(w, g)), w)
+
+
+def test_lossless_group_size_keeps_the_default_otherwise():
+    torch.manual_seed(0)
+    assert qd4.lossless_group_size(torch.randn(16, 128), 64) == 64  # on no grid
+    assert qd4.lossless_group_size(_on_grid(16, 128, 64), 64) == 64  # already on the default grid
+    assert qd4.lossless_group_size(_on_grid(16, 128, 32), 64, finer=()) == 64
+    assert qd4.lossless_group_size(_on_grid(16, 128, 32), 32) == 32
+    assert qd4.lossless_group_size(torch.randn(16), 64) == 64  # not a matrix
+
+
+def test_write_read_per_tensor_group_sizes(tmp_path):
+    """Format v2: each q4g entry carries its own G; the reader decodes each tensor at it."""
+    torch.manual_seed(0)
+    tensors = {"a": _on_grid(5, 96, 32), "b": torch.randn(7, 96), "n": torch.randn(96)}
+    encodings = {"a": "q4g", "b": "q4g", "n": "f16"}
+    header = qd4.write_qd4(tmp_path / "m.qd4", tensors, encodings, 64, group_sizes={"a": 32})
+    assert header.format_version == 2
+    assert [e.group_size for e in header.entries] == [32, 64, None]
+    read, stored = qd4.read_qd4(tmp_path / "m.qd4")
+    assert read == header
+    assert stored["a"].group_size == 32 and stored["b"].group_size == 64
+    assert torch.equal(qd4.dequantize(stored["a"]), tensors["a"])  # lossless at its own grid
+    for x, y in zip(stored["b"][:3], qd4.quantize(tensors["b"], 64)[:3]):
+        assert torch.equal(x, y)
+    assert header.entries[0].nbytes == qd4.encoded_nbytes((5, 96), "q4g", 32)
+    with pytest.raises(ValueError, match="not stored as q4g"):
+        qd4.write_qd4(tmp_path / "x.qd4", tensors, encodings, 64, group_sizes={"n": 32})
+    with pytest.raises(ValueError, match="even integer"):
+        qd4.write_qd4(tmp_path / "x.qd4", tensors, encodings, 64, group_sizes={"a": 7})
+    with pytest.raises(ValueError, match="at G=32, not"):
+        qd4.write_qd4(tmp_path / "x.qd4", tensors, encodings, 64, quantized={"b": qd4.quantize(tensors["b"], 32)})
+
+
+def _with_header(path, edit, version=None):
+    """Rewrite a file's JSON header with ``edit(header)`` (and the prefix's version), re-padded to 64 bytes."""
+    data = path.read_bytes()
+    _, old_version, hlen = struct.unpack_from("<4sIQ", data)
+    header = json.loads(data[16:16 + hlen])
+    edit(header)
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-(16 + len(body)) % 64)
+    path.write_bytes(struct.pack("<4sIQ", b"QD04", version or old_version, len(body)) + body + data[16 + hlen:])
+    return path
+
+
+def test_version_1_files_still_read(tmp_path):
+    """A v1 file (one G in the header for every q4g tensor, none per entry) reads as before."""
+    torch.manual_seed(0)
+    tensors = {"w": torch.randn(8, 64), "n": torch.ones(64)}
+    qd4.write_qd4(tmp_path / "v2.qd4", tensors, {"w": "q4g", "n": "f16"}, 32)
+    v2 = qd4.load_qd4(tmp_path / "v2.qd4")
+
+    def to_v1(h):
+        h["format_version"] = 1
+        for t in h["tensors"]:
+            t.pop("group_size", None)
+
+    old = _with_header(tmp_path / "v2.qd4", to_v1, version=1)
+    header = qd4.read_qd4_header(old)
+    assert header.format_version == 1 and header.entry("w").group_size == 32
+    v1 = qd4.load_qd4(old)
+    assert all(torch.equal(v1[n], v2[n]) for n in tensors)
+
+
+def test_refuses_q4g_entry_without_group_size(good_file):
+    def drop(h):
+        del h["tensors"][0]["group_size"]
+
+    with pytest.raises(QD4Error, match="corrupt header JSON.*group_size"):
+        qd4.load_qd4(_with_header(good_file, drop))
+
+
+def test_refuses_group_size_that_breaks_the_layout(good_file):
+    def change(h):
+        h["tensors"][0]["group_size"] = 32  # other scale/min arrays: the sizes no longer follow
+
+    with pytest.raises(QD4Error, match="do not follow the QD04 layout"):
+        qd4.load_qd4(_with_header(good_file, change))
+
+
 def test_load_dtype_and_quantized_view(tmp_path):
     torch.manual_seed(0)
     w = torch.randn(16, 128)
@@ -277,8 +378,8 @@ def test_refuses_bad_magic(good_file):
 
 def test_refuses_unknown_version(good_file):
     data = bytearray(good_file.read_bytes())
-    data[4:8] = struct.pack("<I", 2)
-    with pytest.raises(QD4Error, match="unknown QD04 format version 2"):
+    data[4:8] = struct.pack("<I", 3)
+    with pytest.raises(QD4Error, match="unknown QD04 format version 3"):
         qd4.load_qd4(_rewrite(good_file, data))
 
 

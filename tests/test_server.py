@@ -731,6 +731,32 @@ def test_int4_keeps_an_embedding_stored_raw_in_bf16(tiny_qwen3_dir, tmp_path):
     assert engine.load_info["from_codes"] == 14 and engine.load_info["quantised_at_load"] == 0
 
 
+def test_int4_runs_each_tensor_at_its_own_group_size(tmp_path):
+    """A pack with layers kept on their finer G=32 grid: every linear still runs on its own codes, at its G."""
+    from transformers import AutoModelForCausalLM
+    from specdraft.pack import PackConfig, run_pack
+    from specdraft.tiny import build_tiny_model
+    src = build_tiny_model(tmp_path / "src", "qwen3")
+    model = AutoModelForCausalLM.from_pretrained(src)
+    with torch.no_grad():
+        for m in model.model.layers[0].modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(qd4.dequantize(qd4.quantize(m.weight, 32)))
+    model.save_pretrained(src)
+    out = run_pack(PackConfig(checkpoint=str(src), out=str(tmp_path / "packed"))).out
+    engine = load_engine(out, None, "int4")
+    layers = {n: m for n, m in engine.model.named_modules() if isinstance(m, Int4Linear)}
+    assert engine.load_info["from_codes"] == len(layers) == 15 and not engine.load_info["bf16_fallback"]
+    assert {n for n, m in layers.items() if m.group_size == 32} == {
+        n for n in layers if n.startswith("model.layers.0.")} and len(layers) - 7 == sum(
+        m.group_size == 64 for m in layers.values())
+    f32 = load_engine(out, None, "float32")
+    ids = torch.tensor([[5, 17, 33, 2, 99, 41]])
+    with torch.inference_mode():
+        a, b = f32.model(ids).logits, engine.model(ids).logits
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
 def test_serve_refuses_a_dir_without_a_model(tmp_path, caplog):
     from specdraft.cli import main
     assert main(["serve", "--model-dir", str(tmp_path), "--port", "0"]) == 2

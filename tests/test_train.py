@@ -167,6 +167,24 @@ def test_qat_computes_on_the_packed_weights_and_still_learns(tiny_target):
     assert len(trained) == 3 * 7 and all(g is not None and g.abs().sum() > 0 for g in trained)
 
 
+def test_qat_keeps_a_frozen_layer_on_its_finer_grid(tiny_target):
+    """The pack stores a weight that sits exactly on a G=32 grid at G=32, unchanged; QAT at G=64 must compute
+    with that same weight, not a re-rounded one."""
+    from specdraft import qd4
+    from specdraft.train import enable_qat
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    layer0 = [m for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for m in layer0:
+            m.weight.copy_(qd4.dequantize(qd4.quantize(m.weight, 32)))
+    model.model.layers[0].requires_grad_(False)
+    enable_qat(model, 64)
+    assert all(torch.equal(m._qat_weight, m.weight) for m in layer0)
+    up = model.model.layers[1].mlp.up_proj  # trainable, on no grid: rounded at G=64 in every forward
+    x = torch.randn(2, up.in_features)
+    assert torch.equal(up(x), torch.nn.functional.linear(x, qd4.fake_quantize(up.weight, 64)))
+
+
 def test_qat_training_scores_the_model_that_packing_will_produce(tiny_traces, tiny_target, tmp_path):
     from specdraft.pack import PackConfig, load_packed_model, run_pack
     cfg = _cfg(tiny_traces, tiny_target, tmp_path / "qat", epochs=1, eval_every=3, qat_group_size=32)

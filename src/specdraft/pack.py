@@ -42,6 +42,10 @@ class PackConfig(StageConfig):
         None, description="a model config.json (or a dir holding one): print the packed byte count and exit")
     group_size: int = Field(qd4.DEFAULT_GROUP_SIZE, ge=2, le=4096,
                             description="q4g group size G along the input dimension (even)")
+    lossless_grids: bool = Field(
+        True, description="store a q4g tensor that already sits exactly on a finer 4-bit grid (G=32: e.g. layers "
+                          "kept unchanged from a Q4_0/Q4_1 GGUF) on that grid, losslessly, at +0.5 bit per weight "
+                          "for it; --no-lossless-grids: every q4g tensor at --group-size")
     embedding_encoding: Literal["q4g", "f16", "bf16", "f32"] = Field(
         "q4g", description="encoding of the input embedding (the tied lm_head with it)",
         json_schema_extra={"aliases": ["--keep-embedding"]})
@@ -136,9 +140,10 @@ def run_pack(cfg: PackConfig) -> PackResult:
             encodings = qd4.choose_encodings({n: tuple(t.shape) for n, t in tensors.items()}, emb_name,
                                              embedding_encoding=cfg.embedding_encoding,
                                              raw_encoding=cfg.raw_encoding)
-            quantized, calibration = _calibrate(cfg, model, encodings)
+            group_sizes = _group_sizes(cfg, tensors, encodings)
+            quantized, calibration = _calibrate(cfg, model, encodings, group_sizes)
             header = qd4.write_qd4(tmp / WEIGHT_FILE, tensors, encodings, cfg.group_size, cfg.fit, progress=True,
-                                   quantized=quantized)
+                                   quantized=quantized, group_sizes=group_sizes)
             nbytes = (tmp / WEIGHT_FILE).stat().st_size
             file_sha = sha256_file(tmp / WEIGHT_FILE)
             _copy_side_files(src, tmp, model)
@@ -150,6 +155,8 @@ def run_pack(cfg: PackConfig) -> PackResult:
                 "format": {"magic": qd4.MAGIC.decode(), "version": qd4.FORMAT_VERSION, "bits": qd4.BITS,
                            "group_size": cfg.group_size, "alignment": qd4.ALIGN, "fit": cfg.fit},
                 "encodings": encodings,
+                # q4g tensors stored at another G than group_size (their lossless grid), by name
+                "group_sizes": group_sizes,
                 **({"calibration": calibration} if calibration else {}),
                 "output": {"weight_file": WEIGHT_FILE, "bytes": nbytes, "sha256": file_sha,
                            "payload_sha256": header.payload_sha256},
@@ -180,7 +187,24 @@ def _run_estimate(cfg: PackConfig) -> PackResult:
     return PackResult(bytes=n)
 
 
-def _calibrate(cfg: PackConfig, model, encodings: dict[str, str]
+def _group_sizes(cfg: PackConfig, tensors: dict[str, torch.Tensor], encodings: dict[str, str]) -> dict[str, int]:
+    """{name: G} for the q4g tensors stored at another G than ``cfg.group_size`` (``qd4.lossless_group_size``)."""
+    if not cfg.lossless_grids:
+        return {}
+    out = {}
+    for name, t in tensors.items():
+        if encodings[name] == "q4g":
+            g = qd4.lossless_group_size(t, cfg.group_size)
+            if g != cfg.group_size:
+                out[name] = g
+    if out:
+        log.info("%d of %d q4g tensors sit exactly on a finer grid and are stored on it (G=%s): %s", len(out),
+                 sum(e == "q4g" for e in encodings.values()), sorted(set(out.values())),
+                 ", ".join(list(out)[:4]) + (", ..." if len(out) > 4 else ""))
+    return out
+
+
+def _calibrate(cfg: PackConfig, model, encodings: dict[str, str], group_sizes: dict[str, int]
                ) -> tuple[dict[str, qd4.QuantizedTensor], dict[str, Any] | None]:
     """GPTQ codes for the q4g tensors and the recipe's record of the calibration (nothing unless --fit gptq)."""
     if cfg.fit != "gptq":
@@ -196,8 +220,8 @@ def _calibrate(cfg: PackConfig, model, encodings: dict[str, str]
     started = time.time()
     embedding = qd4.embedding_name(model)
     quantized = gptq_calibrate(model, sequences, cfg.group_size, cfg.gptq_damp, cfg.gptq_act_order,
-                               embedding_gptq=encodings.get(embedding) == "q4g")
-    log.info("gptq: %d tensors calibrated in %.1fs", len(quantized), time.time() - started)
+                               embedding_gptq=encodings.get(embedding) == "q4g", group_sizes=group_sizes)
+    log.info("gptq: calibration took %.1fs", time.time() - started)
     return quantized, {"traces": str(path.resolve()), "sha256": sha256_file(path), "sequences": len(sequences),
                        "tokens": tokens, "max_tokens_per_sequence": cfg.calibration_tokens, "damp": cfg.gptq_damp,
                        "act_order": cfg.gptq_act_order, "calibrated_tensors": len(quantized),
@@ -250,15 +274,18 @@ def calibration_sequences(path: str | os.PathLike, count: int, max_tokens: int) 
 
 @torch.no_grad()
 def gptq_calibrate(model, sequences: list[list[int]], group_size: int, damp: float = qd4.DEFAULT_GPTQ_DAMP,
-                   act_order: bool = qd4.DEFAULT_GPTQ_ACT_ORDER, embedding_gptq: bool = True, progress: bool = True
-                   ) -> dict[str, qd4.QuantizedTensor]:
+                   act_order: bool = qd4.DEFAULT_GPTQ_ACT_ORDER, embedding_gptq: bool = True, progress: bool = True,
+                   group_sizes: dict[str, int] | None = None) -> dict[str, qd4.QuantizedTensor]:
     """GPTQ every 2-D weight of a decoder-only model, one decoder layer at a time (``model.model.layers``).
 
     Each layer's Hessians come from the outputs of the layers before it *as already quantised*, so a layer
     corrects for the error of those below. The head (tied to the embedding, when it is) uses the final
-    hidden states; an untied input embedding has no inputs to weigh and is rounded plainly. The model's
-    weights are replaced by their dequantised values along the way. Returns {stored name: codes}.
+    hidden states; an untied input embedding has no inputs to weigh and is rounded plainly. A weight that
+    plain rounding reproduces exactly (at ``group_sizes[name]``, else ``group_size``) keeps those codes:
+    there is no error to spread. The model's weights are replaced by their dequantised values along the
+    way. Returns {stored name: codes}.
     """
+    group_sizes = group_sizes or {}
     from tqdm import tqdm
 
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -285,12 +312,24 @@ def gptq_calibrate(model, sequences: list[list[int]], group_size: int, damp: flo
         handle.remove()
 
     out: dict[str, qd4.QuantizedTensor] = {}
+    exact: list[str] = []
+
+    def kept_exact(m: torch.nn.Linear) -> bool:
+        """Plain rounding reproduces the weight (it sits on its grid): no error to spread, keep those codes."""
+        name = names[id(m.weight)]
+        g = group_sizes.get(name, group_size)
+        if not qd4.is_lossless(m.weight, g):
+            return False
+        out[name] = qd4.quantize(m.weight, g)
+        exact.append(name)
+        return True
 
     def quantize(linears: dict[str, torch.nn.Linear], hessians: dict[str, "_Hessian"]) -> None:
         for n, m in linears.items():
-            q = qd4.gptq_quantize(m.weight, hessians[n].mean(), group_size, damp, act_order)
+            name = names[id(m.weight)]
+            q = qd4.gptq_quantize(m.weight, hessians[n].mean(), group_sizes.get(name, group_size), damp, act_order)
             m.weight.copy_(qd4.dequantize(q, m.weight.dtype))
-            out[names[id(m.weight)]] = q
+            out[name] = q
 
     def hidden(args: tuple, kwargs: dict) -> torch.Tensor:
         return args[0] if args else kwargs["hidden_states"]
@@ -300,7 +339,7 @@ def gptq_calibrate(model, sequences: list[list[int]], group_size: int, damp: flo
         return ((h, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": h})
 
     for layer in tqdm(layers, desc="gptq", unit="layer", disable=not progress):
-        linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+        linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear) and not kept_exact(m)}
         hessians = {n: _Hessian(m.in_features) for n, m in linears.items()}
         last: list = [None, None]  # q/k/v (and gate/up) read one input tensor: its x xᵀ is computed once
 
@@ -311,25 +350,27 @@ def gptq_calibrate(model, sequences: list[list[int]], group_size: int, damp: flo
                 hessians[name].add(*last[1])
             return hook
 
-        handles = [m.register_forward_hook(accumulate(n)) for n, m in linears.items()]
-        try:
-            for a, kw in cached:
-                layer(*a, **kw)
-        finally:
-            for h in handles:
-                h.remove()
-        last[:] = None, None
-        quantize(linears, hessians)
+        if linears:  # a layer kept exact (all on its grid) needs no Hessians: one forward for the next layer
+            handles = [m.register_forward_hook(accumulate(n)) for n, m in linears.items()]
+            try:
+                for a, kw in cached:
+                    layer(*a, **kw)
+            finally:
+                for h in handles:
+                    h.remove()
+            last[:] = None, None
+            quantize(linears, hessians)
         cached = [with_hidden(a, kw, layer(*a, **kw)) for a, kw in cached]
 
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight
-    if isinstance(head, torch.nn.Linear) and (embedding_gptq or not tied):
+    if isinstance(head, torch.nn.Linear) and (embedding_gptq or not tied) and not kept_exact(head):
         norm = getattr(model.model, "norm", None) or torch.nn.Identity()
         hessian = _Hessian(head.in_features)
         for a, kw in cached:  # the head's inputs directly: no need to compute the logits
             hessian.add(*_Hessian.outer(norm(hidden(a, kw))))
         quantize({"head": head}, {"head": hessian})
+    log.info("gptq: %d tensors rounded by GPTQ, %d kept exact on their grid", len(out) - len(exact), len(exact))
     return out
 
 
@@ -367,6 +408,8 @@ def _architecture(model, tensors: dict[str, torch.Tensor], nbytes: int, sha: str
         "format": f"{qd4.MAGIC.decode()} v{header.format_version}",
         "bits": header.bits,
         "group_size": header.group_size,
+        "q4g_tensors_by_group_size": {str(g): sum(e.group_size == g for e in header.entries)
+                                      for g in sorted({e.group_size for e in header.entries if e.group_size})},
         "bytes": nbytes,
         "sha256": sha,
     }

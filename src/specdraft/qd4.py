@@ -31,12 +31,15 @@ import torch
 from .provenance import make_shareable_file
 
 MAGIC = b"QD04"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2  # v2: every q4g entry names its own group size (v1: the header's, for all)
+SUPPORTED_VERSIONS = (1, 2)
 ALIGN = 64
 BITS = 4
 QMAX = (1 << BITS) - 1  # codes are 0..15
 DEFAULT_GROUP_SIZE = 64
+# Finer grids a weight may already sit on exactly (Q4_0/Q4_1 GGUF blocks are 32 wide): such a tensor is stored
+# on that grid, losslessly, instead of being re-rounded to a coarser one (``lossless_group_size``).
+LOSSLESS_GROUP_SIZES = (32,)
 PREFIX = struct.Struct("<4sIQ")  # magic, format version (u32), header length in bytes (u64)
 RAW_ENCODINGS: dict[str, torch.dtype] = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 ENCODINGS = ("q4g", *RAW_ENCODINGS)
@@ -88,17 +91,21 @@ class QD4Entry:
     encoding: str
     offset: int
     nbytes: int
+    group_size: int | None = None  # q4g only
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "source_dtype": self.source_dtype,
-                "encoding": self.encoding, "offset": self.offset, "nbytes": self.nbytes}
+        out = {"name": self.name, "shape": list(self.shape), "source_dtype": self.source_dtype,
+               "encoding": self.encoding, "offset": self.offset, "nbytes": self.nbytes}
+        if self.group_size is not None:
+            out["group_size"] = self.group_size
+        return out
 
 
 @dataclass(frozen=True)
 class QD4Header:
     format_version: int
     bits: int
-    group_size: int
+    group_size: int  # the pack's G; a q4g tensor's own is its entry's group_size
     alignment: int
     data_offset: int  # absolute offset of the data section (a multiple of ALIGN)
     data_nbytes: int
@@ -281,6 +288,25 @@ def fake_quantize(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> torc
     return torch.addcmul(m, q, s).view(n, -1)[:, :k].to(w.dtype)
 
 
+def is_lossless(w: torch.Tensor, group_size: int) -> bool:
+    """Whether plain rounding at this G reproduces w exactly (w already sits on that 4-bit grid)."""
+    return torch.equal(dequantize(quantize(w, group_size), w.dtype), w)
+
+
+def lossless_group_size(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
+                        finer: Iterable[int] = LOSSLESS_GROUP_SIZES) -> int:
+    """The G to store w at: a finer one from ``finer`` on whose grid w sits exactly (e.g. a layer taken
+    unchanged from a Q4_1 GGUF, G = 32), when re-rounding at ``group_size`` would lose that; else
+    ``group_size``. A finer grid costs 32/G' - 32/G bits per weight (+0.5 for 32 vs 64) and loses nothing."""
+    if w.dim() != 2 or not w.is_floating_point() or w.numel() == 0:
+        return group_size
+    # group_size itself first (nothing to gain), then the cheapest finer grid
+    for g in (group_size, *sorted((x for x in finer if x < group_size), reverse=True)):
+        if is_lossless(w[:64], g) and is_lossless(w, g):  # a few rows first: most tensors fail there
+            return g
+    return group_size
+
+
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
                   damp: float = DEFAULT_GPTQ_DAMP, act_order: bool = DEFAULT_GPTQ_ACT_ORDER) -> QuantizedTensor:
     """Calibrated q4g (GPTQ, Frantar et al. 2022): the same grid and file as ``quantize``, other codes.
@@ -377,7 +403,7 @@ def q4g_parts(shape: tuple[int, ...], group_size: int) -> tuple[tuple[int, int],
     return (0, codes), (s_off, params), (m_off, params)
 
 
-def encoded_nbytes(shape: tuple[int, ...], encoding: str, group_size: int) -> int:
+def encoded_nbytes(shape: tuple[int, ...], encoding: str, group_size: int | None) -> int:
     if encoding == "q4g":
         if len(shape) != 2:
             raise ValueError(f"q4g stores 2-D tensors, got shape {shape}")
@@ -388,19 +414,28 @@ def encoded_nbytes(shape: tuple[int, ...], encoding: str, group_size: int) -> in
     raise ValueError(f"unknown encoding {encoding!r} (known: {', '.join(ENCODINGS)})")
 
 
-def plan_layout(specs: Iterable[tuple[str, tuple[int, ...], str, str]], group_size: int
-                ) -> tuple[tuple[QD4Entry, ...], int]:
-    """(name, shape, source_dtype, encoding) in file order -> directory entries and the data section size."""
+def plan_layout(specs: Iterable[tuple[str, tuple[int, ...], str, str]], group_size: int,
+                group_sizes: Mapping[str, int] | None = None) -> tuple[tuple[QD4Entry, ...], int]:
+    """(name, shape, source_dtype, encoding) in file order -> directory entries and the data section size.
+
+    A q4g tensor uses ``group_sizes[name]`` when given, else ``group_size``."""
     _check_group_size(group_size)
+    group_sizes = dict(group_sizes or {})
     entries, offset, seen = [], 0, set()
     for name, shape, source_dtype, encoding in specs:
         if name in seen:
             raise ValueError(f"tensor {name!r} listed twice")
         seen.add(name)
+        g = None
+        if encoding == "q4g":
+            g = group_sizes.pop(name, group_size)
+            _check_group_size(g)
         offset = _align(offset)
-        nbytes = encoded_nbytes(tuple(shape), encoding, group_size)
-        entries.append(QD4Entry(name, tuple(int(d) for d in shape), source_dtype, encoding, offset, nbytes))
+        nbytes = encoded_nbytes(tuple(shape), encoding, g)
+        entries.append(QD4Entry(name, tuple(int(d) for d in shape), source_dtype, encoding, offset, nbytes, g))
         offset += nbytes
+    if group_sizes:
+        raise ValueError(f"group sizes given for tensors that are not stored as q4g: {sorted(group_sizes)}")
     return tuple(entries), _align(offset)
 
 
@@ -443,7 +478,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _encode(t: torch.Tensor, encoding: str, group_size: int, fit: str, q: QuantizedTensor | None = None
+def _encode(t: torch.Tensor, encoding: str, group_size: int | None, fit: str, q: QuantizedTensor | None = None
             ) -> list[tuple[int, memoryview]]:
     """(offset inside the payload, bytes) for one tensor; ``q``: its q4g codes, when already computed."""
     if encoding == "q4g":
@@ -471,9 +506,11 @@ def _progress(entries: tuple[QD4Entry, ...], enabled: bool, name: str):
 
 def write_qd4(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], encodings: Mapping[str, str],
               group_size: int = DEFAULT_GROUP_SIZE, fit: str = "minmax", progress: bool = False,
-              quantized: Mapping[str, QuantizedTensor] | None = None) -> QD4Header:
+              quantized: Mapping[str, QuantizedTensor] | None = None,
+              group_sizes: Mapping[str, int] | None = None) -> QD4Header:
     """Write ``tensors`` (file order = mapping order) with one encoding each; atomic (temp file + rename).
 
+    q4g tensors use ``group_size`` unless ``group_sizes`` names their own (``lossless_group_size``).
     ``quantized`` holds codes already chosen for some q4g tensors (by ``gptq_quantize``); the others are
     encoded here with ``fit`` (minmax when ``fit`` names no per-tensor encoder). ``fit`` is recorded.
 
@@ -493,7 +530,7 @@ def write_qd4(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], enco
         raise ValueError(f"precomputed codes for tensors that are not stored as q4g: {stray}")
     producer = _producer(fit)
     specs = [(n, tuple(t.shape), dtype_name(t.dtype), encodings[n]) for n, t in tensors.items()]
-    entries, data_nbytes = plan_layout(specs, group_size)
+    entries, data_nbytes = plan_layout(specs, group_size, group_sizes)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -505,7 +542,8 @@ def write_qd4(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], enco
             pos = 0
             for entry in _progress(entries, progress, path.name):
                 try:
-                    parts = _encode(tensors[entry.name], entry.encoding, group_size, fit, quantized.get(entry.name))
+                    parts = _encode(tensors[entry.name], entry.encoding, entry.group_size, fit,
+                                    quantized.get(entry.name))
                 except ValueError as e:
                     raise ValueError(f"{entry.name}: {e}") from e
                 for rel, data in parts:
@@ -552,9 +590,11 @@ def _parse_header(path: Path, buf: mmap.mmap | bytes, size: int) -> QD4Header:
         raise QD4Error(path, f"corrupt header: data section at {data_offset} is not {ALIGN}-byte aligned")
     try:
         h = json.loads(bytes(buf[PREFIX.size:data_offset]).decode("ascii"))
+        file_group_size = int(h["group_size"])
         entries = tuple(QD4Entry(str(t["name"]), tuple(int(d) for d in t["shape"]), str(t["source_dtype"]),
-                                 str(t["encoding"]), int(t["offset"]), int(t["nbytes"])) for t in h["tensors"])
-        header = QD4Header(int(h["format_version"]), int(h["bits"]), int(h["group_size"]), int(h["alignment"]),
+                                 str(t["encoding"]), int(t["offset"]), int(t["nbytes"]),
+                                 _entry_group_size(t, version, file_group_size)) for t in h["tensors"])
+        header = QD4Header(int(h["format_version"]), int(h["bits"]), file_group_size, int(h["alignment"]),
                            data_offset, int(h["data_nbytes"]), str(h["payload_sha256"]), dict(h["producer"]),
                            entries)
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
@@ -575,7 +615,8 @@ def _parse_header(path: Path, buf: mmap.mmap | bytes, size: int) -> QD4Header:
         raise QD4Error(path, f"unknown encoding(s) {unknown} (known: {', '.join(ENCODINGS)})")
     try:
         expected, data_nbytes = plan_layout([(e.name, e.shape, e.source_dtype, e.encoding) for e in entries],
-                                            header.group_size)
+                                            header.group_size, {e.name: e.group_size for e in entries
+                                                                if e.encoding == "q4g" and e.group_size})
     except ValueError as e:
         raise QD4Error(path, f"corrupt tensor directory: {e}") from None
     if expected != entries or data_nbytes != header.data_nbytes:
@@ -583,6 +624,17 @@ def _parse_header(path: Path, buf: mmap.mmap | bytes, size: int) -> QD4Header:
         raise QD4Error(path, f"corrupt tensor directory: offsets/sizes of {bad!r} do not follow the "
                              "QD04 layout for its shape and encoding")
     return header
+
+
+def _entry_group_size(t: Mapping[str, Any], version: int, file_group_size: int) -> int | None:
+    """A directory entry's G: its own field (v2, q4g entries only), the header's for every q4g entry in v1."""
+    if version == 1:
+        return file_group_size if t["encoding"] == "q4g" else None
+    if "group_size" in t:
+        return int(t["group_size"])
+    if t["encoding"] == "q4g":
+        raise KeyError(f"group_size of q4g tensor {t['name']!r}")
+    return None
 
 
 def read_qd4_header(path: str | os.PathLike) -> QD4Header:
@@ -653,12 +705,12 @@ def _part(data: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shap
     return data[offset:offset + nbytes].view(dtype).view(shape)  # offsets are 64-aligned: views are aligned
 
 
-def _decode_entry(data: torch.Tensor, header: QD4Header, e: QD4Entry) -> QuantizedTensor | torch.Tensor:
+def _decode_entry(data: torch.Tensor, e: QD4Entry) -> QuantizedTensor | torch.Tensor:
     if e.encoding == "q4g":
         n, k = e.shape
-        ng = num_groups(k, header.group_size)
-        (c_off, c_n), (s_off, s_n), (m_off, m_n) = q4g_parts(e.shape, header.group_size)
-        return QuantizedTensor(_part(data, e.offset + c_off, c_n, torch.uint8, (n, ng * header.group_size // 2)),
+        ng = num_groups(k, e.group_size)
+        (c_off, c_n), (s_off, s_n), (m_off, m_n) = q4g_parts(e.shape, e.group_size)
+        return QuantizedTensor(_part(data, e.offset + c_off, c_n, torch.uint8, (n, ng * e.group_size // 2)),
                                _part(data, e.offset + s_off, s_n, torch.float16, (n, ng)),
                                _part(data, e.offset + m_off, m_n, torch.float16, (n, ng)), (n, k))
     return _part(data, e.offset, e.nbytes, RAW_ENCODINGS[e.encoding], e.shape)
@@ -675,7 +727,7 @@ def read_qd4(path: str | os.PathLike, *, verify: bool = True
     data = _read_data(path, header)
     if verify:  # in memory, one shot: hashlib releases the GIL on large buffers
         _check_sha256(path, header, hashlib.sha256(memoryview(data.numpy())).hexdigest())
-    return header, {e.name: _decode_entry(data, header, e) for e in header.entries}
+    return header, {e.name: _decode_entry(data, e) for e in header.entries}
 
 
 def load_qd4_quantized(path: str | os.PathLike, *, verify: bool = True

@@ -254,7 +254,8 @@ def enable_qat(model, group_size: int) -> int:
     """Make the model compute with the weights `specdraft pack --group-size G` (default encodings) stores:
     every nn.Linear and the input embedding use ``qd4.fake_quantize`` of their weight. Trainable weights are
     re-quantised at every forward with a straight-through gradient; frozen ones (the tied embedding/head,
-    ``freeze_layers``) once, into a non-persistent buffer. The parameters stay float (the optimizer's latent
+    ``freeze_layers``) once, into a non-persistent buffer, at the G the pack will store them at
+    (``qd4.lossless_group_size``: a frozen layer on a finer grid stays exact). The parameters stay float (the optimizer's latent
     weights), so checkpoints, resume state and the packer see plain weights, and packing them reproduces
     exactly the model that was trained and evaluated. Returns the number of modules patched."""
     import types
@@ -286,7 +287,8 @@ def enable_qat(model, group_size: int) -> int:
             key = id(module.weight)
             if key not in frozen:
                 with torch.no_grad():
-                    frozen[key] = qd4.fake_quantize(module.weight.detach(), group_size)
+                    w = module.weight.detach()  # the pack keeps a weight on its own finer grid as it is
+                    frozen[key] = qd4.fake_quantize(w, qd4.lossless_group_size(w, group_size))
             module.register_buffer("_qat_weight", frozen[key], persistent=False)
         module.forward = types.MethodType(forward, module)
         patched += 1
