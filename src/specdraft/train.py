@@ -255,9 +255,9 @@ def enable_qat(model, group_size: int) -> int:
     every nn.Linear and the input embedding use ``qd4.fake_quantize`` of their weight. Trainable weights are
     re-quantised at every forward with a straight-through gradient; frozen ones (the tied embedding/head,
     ``freeze_layers``) once, into a non-persistent buffer, at the G the pack will store them at
-    (``qd4.lossless_group_size``: a frozen layer on a finer grid stays exact). The parameters stay float (the optimizer's latent
-    weights), so checkpoints, resume state and the packer see plain weights, and packing them reproduces
-    exactly the model that was trained and evaluated. Returns the number of modules patched."""
+    (``qd4.lossless_group_size``: a frozen layer on a finer grid stays exact). The parameters stay float (the
+    optimizer's latent weights), so checkpoints, resume state and the packer see plain weights, and packing them
+    reproduces exactly the model that was trained and evaluated. Returns the number of modules patched."""
     import types
 
     frozen: dict[int, torch.Tensor] = {}  # one quantised copy per frozen parameter (tied weights share it)
