@@ -253,6 +253,9 @@ def test_lossless_group_size_keeps_the_default_otherwise():
     assert qd4.lossless_group_size(_on_grid(16, 128, 32), 64, finer=()) == 64
     assert qd4.lossless_group_size(_on_grid(16, 128, 32), 32) == 32
     assert qd4.lossless_group_size(torch.randn(16), 64) == 64  # not a matrix
+    bad = _on_grid(4, 64, 32)
+    bad[0, 0] = float("nan")
+    assert qd4.lossless_group_size(bad, 64) == 64  # left for the writer to refuse, with the tensor's name
 
 
 def test_write_read_per_tensor_group_sizes(tmp_path):

@@ -290,7 +290,10 @@ def fake_quantize(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> torc
 
 def is_lossless(w: torch.Tensor, group_size: int) -> bool:
     """Whether plain rounding at this G reproduces w exactly (w already sits on that 4-bit grid)."""
-    return torch.equal(dequantize(quantize(w, group_size), w.dtype), w)
+    try:
+        return torch.equal(dequantize(quantize(w, group_size), w.dtype), w)
+    except ValueError:  # NaN/inf or beyond fp16: not on any grid (the writer reports it, with the name)
+        return False
 
 
 def lossless_group_size(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
