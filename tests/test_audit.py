@@ -316,6 +316,15 @@ def test_gptq_calibration_traces_are_checked(run):
     assert bad.cites[0] == {"file": "model/pack_recipe.json", "field": "calibration.sha256"}
 
 
+def test_recorded_group_sizes_are_checked_against_the_file(run):
+    report = _audit(run, greedy_check=0)
+    assert [f.status for f in report.findings if f.check == "group sizes"] == ["pass"]
+    _edit_json(run / "model" / "pack_recipe.json", "group_sizes", {"model.layers.0.mlp.up_proj.weight": 32})
+    (bad,) = _failed(_audit(run, greedy_check=0))["group sizes"]
+    assert "1 tensors at [32]" in bad.message and bad.cites[1] == {"file": "model/pack_recipe.json",
+                                                                     "field": "group_sizes"}
+
+
 def test_stray_file_in_the_model_dir(run):
     (run / "model" / "notes.txt").write_text("not a model file")
     assert main(["audit", str(run), "--greedy-check", "0", "--no-serve-check"]) == 1  # the CLI's exit code

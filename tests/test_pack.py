@@ -195,7 +195,7 @@ def test_gptq_pack_is_calibrated_and_recorded(tiny_qwen3_dir, tmp_path):
     assert errors["gptq"] < errors["minmax"], errors
 
 
-def test_layers_on_a_finer_grid_are_stored_on_it_losslessly(tmp_path):
+def test_layers_on_a_finer_grid_are_stored_on_it_losslessly(tmp_path, monkeypatch):
     """A layer whose weights sit exactly on a G=32 grid (kept unchanged from a Q4_1 GGUF) is stored at G=32,
     bit-exact, by both fits; the others at --group-size. --no-lossless-grids stores everything at G=64."""
     src = build_tiny_model(tmp_path / "src", "qwen3")
@@ -208,8 +208,14 @@ def test_layers_on_a_finer_grid_are_stored_on_it_losslessly(tmp_path):
     on_grid = {n for n, p in model.named_parameters() if n.startswith("model.layers.0.") and p.dim() == 2}
     traces = _traces(tmp_path / "traces.jsonl")
     plain = run_pack(PackConfig(checkpoint=str(src), out=str(tmp_path / "m")))
+    gptq_calls = []
+    gptq_quantize = qd4.gptq_quantize
+    monkeypatch.setattr(qd4, "gptq_quantize", lambda w, *a, **kw: gptq_calls.append(w.shape) or gptq_quantize(
+        w, *a, **kw))
     gptq = run_pack(PackConfig(checkpoint=str(src), out=str(tmp_path / "g"), fit="gptq", calibration=str(traces),
                                calibration_sequences=8))
+    # the 7 matrices on their grid keep their codes; only the other layer's 7 and the tied head go through GPTQ
+    assert len(gptq_calls) == 8
     off = run_pack(PackConfig(checkpoint=str(src), out=str(tmp_path / "off"), lossless_grids=False))
     assert len(on_grid) == 7
     for result in (plain, gptq):

@@ -320,12 +320,28 @@ def test_refuses_q4g_entry_without_group_size(good_file):
         qd4.load_qd4(_with_header(good_file, drop))
 
 
+@pytest.mark.parametrize("value", [64.5, "64", True])
+def test_refuses_group_size_that_is_not_an_integer(good_file, value):
+    def change(h):
+        h["tensors"][0]["group_size"] = value
+
+    with pytest.raises(QD4Error, match="corrupt header JSON.*not an integer"):
+        qd4.load_qd4(_with_header(good_file, change))
+
+
 def test_refuses_group_size_that_breaks_the_layout(good_file):
     def change(h):
         h["tensors"][0]["group_size"] = 32  # other scale/min arrays: the sizes no longer follow
 
     with pytest.raises(QD4Error, match="do not follow the QD04 layout"):
         qd4.load_qd4(_with_header(good_file, change))
+
+    def on_a_raw_tensor(h):
+        h["tensors"][0]["group_size"] = 64  # tensor 0 intact again
+        h["tensors"][1]["group_size"] = 64
+
+    with pytest.raises(QD4Error, match="do not follow the QD04 layout"):
+        qd4.load_qd4(_with_header(good_file, on_a_raw_tensor))
 
 
 def test_load_dtype_and_quantized_view(tmp_path):

@@ -1236,13 +1236,21 @@ class Audit:
         except qd4.QD4Error as e:
             self.add("weight file structure", "fail", e.reason, [self.cite(w, "QD04 header + payload sha256")])
             return
+        by_g = Counter(e.group_size for e in header.entries if e.group_size)
         self.add("weight file structure", "pass", f"QD04 v{header.format_version}, {len(header.entries)} tensors, "
-                                                  f"G={header.group_size}, payload sha256 verified",
-                 [self.cite(w, "header.payload_sha256")])
+                                                  f"q4g tensors by G {dict(sorted(by_g.items()))}, payload sha256 "
+                                                  "verified", [self.cite(w, "header.payload_sha256")])
         if recipe is not None:
             self.check_equal("payload sha256", header.payload_sha256, _get(recipe, "output.payload_sha256"),
                              "the file header's payload sha256 and pack_recipe.json",
                              [self.cite(w, "header.payload_sha256"), self.cite(rp, "output.payload_sha256")], _short)
+            if "group_sizes" in recipe:  # recipes before QD04 v2 have no such record
+                own = {e.name: e.group_size for e in header.entries
+                       if e.group_size is not None and e.group_size != header.group_size}
+                self.check_equal("group sizes", own, recipe["group_sizes"],
+                                 "tensors the file stores at their own G and pack_recipe.json's group_sizes",
+                                 [self.cite(w, "header.tensors[].group_size"), self.cite(rp, "group_sizes")],
+                                 lambda d: f"{len(d)} tensors at {sorted(set(d.values()))}" if d else "none")
 
     def _pack_source(self, recipe: dict | None) -> None:
         if recipe is None:

@@ -634,7 +634,10 @@ def _entry_group_size(t: Mapping[str, Any], version: int, file_group_size: int) 
     if version == 1:
         return file_group_size if t["encoding"] == "q4g" else None
     if "group_size" in t:
-        return int(t["group_size"])
+        g = t["group_size"]
+        if not isinstance(g, int) or isinstance(g, bool):
+            raise TypeError(f"group_size of {t['name']!r} is not an integer: {g!r}")
+        return g
     if t["encoding"] == "q4g":
         raise KeyError(f"group_size of q4g tensor {t['name']!r}")
     return None
