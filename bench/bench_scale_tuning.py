@@ -1,0 +1,214 @@
+"""Does tuning a packed draft's per-group scales and minimums (its 4-bit codes fixed) win back what packing lost?
+
+    .venv/bin/python bench/bench_scale_tuning.py --packed packF3L --traces tr3/traces.jsonl \
+        --validation val80/validation.jsonl --steps 40 --out scale_tuning.json [--write packF3S]
+
+An experiment, not a pipeline stage. The packed draft is rebuilt with every q4g linear of the layers that
+trained (``--from-layer``) computing ``w = code * scale + min`` from its stored codes, with the fp16 scale and
+min of each group as trainable parameters (PEQA, Kim et al. 2023: the codes stay, the step sizes move), plus
+those layers' norms. The forward uses the fp16-rounded values (straight-through), so what it scores is exactly
+what a QD04 file with the same codes and the tuned fp16 parameters holds. Loss: cross-entropy on the target's
+completion tokens of ``--traces`` (the draft's own training traces), or with ``--teacher`` the KL divergence from
+the float draft's next-token distribution on the same positions; 2,048-token batches, AdamW, cosine decay.
+Simulated acceptance (one teacher-forced pass per validation prompt, pooled over points) at ``--eval-every``:
+these points are the test set, so nothing is selected on them; the last step is the result. ``--write DIR``
+copies the packed dir with the tuned parameters in its draft.qd4 (same codes, same layout) for `specdraft eval`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdraft import qd4
+from specdraft.pack import load_packed_model
+from specdraft.provenance import atomic_write_json, run_metadata, sha256_file
+from specdraft.train import collate, make_batches, read_traces, simulated_acceptance
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_gptq import validation_examples  # noqa: E402
+
+
+def fp16_ste(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to fp16 in the forward, identity in the backward: the file stores fp16 scales and mins."""
+    return x + (x.half().float() - x).detach()
+
+
+class ScaleTunedLinear(nn.Module):
+    """y = x Wᵀ with W = code * scale + min per group of G; codes fixed, scales and mins trainable."""
+
+    def __init__(self, q: qd4.QuantizedTensor):
+        super().__init__()
+        self.shape, self.group_size = q.shape, q.group_size
+        self.register_buffer("codes", qd4.unpack_codes(q.codes).to(torch.float32))  # [N, Kp]
+        self.scales = nn.Parameter(q.scales.float().clone())
+        self.mins = nn.Parameter(q.mins.float().clone())
+
+    def weight_value(self) -> torch.Tensor:
+        n, k = self.shape
+        ng = self.scales.shape[1]
+        w = torch.addcmul(fp16_ste(self.mins).unsqueeze(-1), self.codes.view(n, ng, self.group_size),
+                          fp16_ste(self.scales).unsqueeze(-1))
+        return w.view(n, -1)[:, :k]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_value())
+
+    def stored(self) -> qd4.QuantizedTensor:
+        with torch.no_grad():
+            return qd4.QuantizedTensor(qd4.pack_codes(self.codes.to(torch.uint8)), self.scales.half(),
+                                       self.mins.half(), self.shape)
+
+
+def swap_layers(model, stored: dict, first_layer: int) -> tuple[dict[str, ScaleTunedLinear], list[nn.Parameter]]:
+    """Replace the q4g linears of layers >= first_layer by ScaleTunedLinear; return them and the trainable params."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tuned: dict[str, ScaleTunedLinear] = {}
+    params: list[nn.Parameter] = []
+    for i, layer in enumerate(model.model.layers):
+        if i < first_layer:
+            continue
+        for name, module in list(layer.named_modules()):
+            full = f"model.layers.{i}.{name}"
+            if isinstance(module, nn.Linear) and module.bias is None and isinstance(stored.get(f"{full}.weight"),
+                                                                                    qd4.QuantizedTensor):
+                new = ScaleTunedLinear(stored[f"{full}.weight"])
+                parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
+                setattr(parent, name.rsplit(".", 1)[-1], new)
+                tuned[f"{full}.weight"] = new
+                params += [new.scales, new.mins]
+            elif "norm" in name.rsplit(".", 1)[-1] and hasattr(module, "weight"):
+                module.weight.requires_grad_(True)
+                params.append(module.weight)
+    return tuned, params
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--packed", required=True, help="packed draft dir (specdraft pack)")
+    ap.add_argument("--traces", required=True, help="traces JSONL to tune on (the draft's training traces)")
+    ap.add_argument("--validation", required=True, help="validation.jsonl to score on (never selected on)")
+    ap.add_argument("--from-layer", type=int, default=12, help="first decoder layer whose scales/mins are tuned")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--batch-tokens", type=int, default=2048)
+    ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--teacher", default=None, help="float checkpoint of the same draft: tune toward its next-token "
+                    "distribution (KL) instead of the target's tokens (cross-entropy)")
+    ap.add_argument("--write", default=None, help="write the tuned packed dir here")
+    ap.add_argument("--out", required=True, help="JSON results file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    packed = Path(args.packed)
+    model, _ = load_packed_model(packed, torch.float32)
+    stored = qd4.load_qd4_quantized(packed / "draft.qd4")
+    tuned, params = swap_layers(model, stored, args.from_layer)
+    print(f"tuning {sum(p.numel() for p in params):,} parameters ({len(tuned)} linears' scales and mins, norms)",
+          flush=True)
+    teacher = None
+    if args.teacher:
+        from specdraft.models import load_model
+        teacher = load_model(args.teacher, dtype=torch.float32).eval()
+    examples = read_traces(args.traces, args.max_seq_len)
+    validation = validation_examples(args.validation)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    history = []
+
+    def evaluate(step: int, loss: float | None) -> None:
+        model.eval()
+        with torch.no_grad():
+            for p in params:  # what the file will hold: fp16 norms too
+                p.copy_(p.half().float())
+            stats = simulated_acceptance(model, validation, k=16)
+        model.train()
+        history.append({"step": step, "train_loss": loss, "pooled": stats.mean_accepted_pooled,
+                        "per_prompt": stats.mean_accepted_per_prompt})
+        print(f"step {step}: train loss {loss}, simulated acceptance pooled {stats.mean_accepted_pooled:.3f}",
+              flush=True)
+
+    evaluate(0, None)
+    batches = [b for epoch in range(100) for b in make_batches(examples, args.batch_tokens, args.seed, epoch)]
+    started, losses = time.time(), []
+    model.train()
+    for step in range(1, args.steps + 1):
+        lr = args.lr * (step / args.warmup if step <= args.warmup else
+                        0.5 * (1 + math.cos(math.pi * (step - args.warmup) / max(1, args.steps - args.warmup))))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = collate([examples[i] for i in batches[step - 1]], 0, "cpu")
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"][:, 1:]
+        keep = labels != -100
+        if teacher is None:
+            loss = F.cross_entropy(logits[:, :-1][keep].float(), labels[keep])
+        else:  # KL(float draft || packed draft) on the completion positions
+            with torch.no_grad():
+                target = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss = F.kl_div(logits[:, :-1][keep].float().log_softmax(-1), target[:, :-1][keep].float().log_softmax(-1),
+                            log_target=True, reduction="batchmean")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if step % args.eval_every == 0 or step == args.steps:
+            evaluate(step, sum(losses[-args.eval_every:]) / len(losses[-args.eval_every:]))
+    seconds = time.time() - started
+
+    written = None
+    if args.write:
+        out = Path(args.write)
+        shutil.copytree(packed, out)
+        header = qd4.read_qd4_header(packed / "draft.qd4")
+        state = {n: p.detach().clone() for n, p in qd4.stored_tensors(model).items()}
+        tensors, encodings, quantized, group_sizes = {}, {}, {}, {}
+        for e in header.entries:
+            encodings[e.name] = e.encoding
+            if e.encoding == "q4g":
+                quantized[e.name] = tuned[e.name].stored() if e.name in tuned else stored[e.name]
+                tensors[e.name] = qd4.dequantize(quantized[e.name])
+                group_sizes[e.name] = e.group_size
+            else:
+                tensors[e.name] = state[e.name]
+        qd4.write_qd4(out / "draft.qd4", tensors, encodings, header.group_size, header.producer.get("fit", "minmax"),
+                      quantized=quantized, group_sizes=group_sizes)
+        sha, nbytes = sha256_file(out / "draft.qd4"), (out / "draft.qd4").stat().st_size
+        for name in ("architecture.json",):
+            arch = json.loads((out / name).read_text())
+            arch.update(bytes=nbytes, sha256=sha)
+            atomic_write_json(out / name, arch)
+        recipe = json.loads((out / "pack_recipe.json").read_text())
+        recipe["output"].update(bytes=nbytes, sha256=sha, payload_sha256=qd4.read_qd4_header(out / "draft.qd4")
+                                .payload_sha256)
+        recipe["scale_tuning"] = {"command": " ".join(["python", *sys.argv]), "from": str(packed),
+                                  "traces_sha256": sha256_file(args.traces), "steps": args.steps, "lr": args.lr}
+        atomic_write_json(out / "pack_recipe.json", recipe)
+        written = {"dir": str(out), "bytes": nbytes, "sha256": sha}
+        print(f"wrote {out}", flush=True)
+
+    atomic_write_json(args.out, {
+        "command": " ".join(["python", *sys.argv]), "packed": str(packed),
+        "packed_sha256": sha256_file(packed / "draft.qd4"), "traces_sha256": sha256_file(args.traces),
+        "validation_sha256": sha256_file(args.validation), "tuned_linears": len(tuned),
+        "tuned_parameters": sum(p.numel() for p in params), "args": vars(args), "seconds": round(seconds, 1),
+        "history": history, "written": written, **run_metadata()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
