@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     def evaluate(step: int, loss: float | None) -> None:
         model.eval()
         with torch.no_grad():
-            for p in params:  # what the file will hold: fp16 norms too
+            # what the file will hold: fp16 norms too. The latents are rounded in place (the last step always
+            # evaluates, so --write stores exactly what was scored last)
+            for p in params:
                 p.copy_(p.half().float())
             stats = simulated_acceptance(model, validation, k=16)
         model.train()
