@@ -54,10 +54,10 @@ def apply_variant(model, variant: str, calibration: str | None, lossless_grids: 
     name, *params = variant.split(":")
     stored = qd4.stored_tensors(model)
     embedding = qd4.embedding_name(model)
-    group_sizes = {n: g for n, t in stored.items() if t.dim() == 2
-                   and (g := qd4.lossless_group_size(t, GROUP_SIZE)) != GROUP_SIZE} if lossless_grids else {}
     if name == "float":
         return {}
+    group_sizes = {n: g for n, t in stored.items() if t.dim() == 2
+                   and (g := qd4.lossless_group_size(t, GROUP_SIZE)) != GROUP_SIZE} if lossless_grids else {}
     if name in ("minmax", "minmax-embedding"):
         for n, t in stored.items():
             if t.dim() == 2 and (name == "minmax" or n == embedding):

@@ -1236,9 +1236,8 @@ class Audit:
         except qd4.QD4Error as e:
             self.add("weight file structure", "fail", e.reason, [self.cite(w, "QD04 header + payload sha256")])
             return
-        by_g = Counter(e.group_size for e in header.entries if e.group_size)
         self.add("weight file structure", "pass", f"QD04 v{header.format_version}, {len(header.entries)} tensors, "
-                                                  f"q4g tensors by G {dict(sorted(by_g.items()))}, payload sha256 "
+                                                  f"q4g tensors by G {header.q4g_group_sizes()}, payload sha256 "
                                                   "verified", [self.cite(w, "header.payload_sha256")])
         if recipe is not None:
             self.check_equal("payload sha256", header.payload_sha256, _get(recipe, "output.payload_sha256"),

@@ -285,8 +285,9 @@ def gptq_calibrate(model, sequences: list[list[int]], group_size: int, damp: flo
     there is no error to spread. The model's weights are replaced by their dequantised values along the
     way. Returns {stored name: codes}.
     """
-    group_sizes = group_sizes or {}
     from tqdm import tqdm
+
+    group_sizes = group_sizes or {}
 
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not len(layers):
@@ -408,8 +409,7 @@ def _architecture(model, tensors: dict[str, torch.Tensor], nbytes: int, sha: str
         "format": f"{qd4.MAGIC.decode()} v{header.format_version}",
         "bits": header.bits,
         "group_size": header.group_size,
-        "q4g_tensors_by_group_size": {str(g): sum(e.group_size == g for e in header.entries)
-                                      for g in sorted({e.group_size for e in header.entries if e.group_size})},
+        "q4g_tensors_by_group_size": header.q4g_group_sizes(),
         "bytes": nbytes,
         "sha256": sha,
     }
