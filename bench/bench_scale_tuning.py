@@ -69,11 +69,47 @@ class ScaleTunedLinear(nn.Module):
                                        self.mins.half(), self.shape)
 
 
-def swap_layers(model, stored: dict, first_layer: int) -> tuple[dict[str, ScaleTunedLinear], list[nn.Parameter]]:
-    """Replace the q4g linears of layers >= first_layer by ScaleTunedLinear; return them and the trainable params."""
+class CodeTunedLinear(nn.Module):
+    """y = x Wᵀ with W = clamp(round((V - min) / scale), 0, 15) * scale + min per group: the fp16 scales and mins
+    fixed, a float latent V per weight trainable (straight-through rounding). V starts at the stored weight, so
+    step 0 is the packed draft exactly; a code changes once V has moved half a step."""
+
+    def __init__(self, q: qd4.QuantizedTensor):
+        super().__init__()
+        n, k = q.shape
+        self.shape, self.group_size = q.shape, q.group_size
+        if k % q.group_size:
+            raise ValueError(f"{q.shape}: in_features not a multiple of G = {q.group_size}")
+        self.register_buffer("scales", q.scales.float().unsqueeze(-1))  # [N, K/G, 1]
+        self.register_buffer("mins", q.mins.float().unsqueeze(-1))
+        self.register_buffer("flat", (q.scales == 0).unsqueeze(-1))  # constant groups: their code stays 0
+        self.latent = nn.Parameter(qd4.dequantize(q, torch.float32).clone())
+
+    def codes(self) -> torch.Tensor:
+        n, k = self.shape
+        v = self.latent.view(n, -1, self.group_size)
+        q = ((v - self.mins) / torch.where(self.flat, 1.0, self.scales)).round().clamp(0, 15)
+        return q.masked_fill(self.flat, 0)  # [N, K/G, G]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            w = (self.codes() * self.scales + self.mins).view(self.shape)
+        return F.linear(x, self.latent + (w - self.latent).detach())
+
+    def stored(self) -> qd4.QuantizedTensor:
+        with torch.no_grad():
+            codes = self.codes().view(self.shape).to(torch.uint8)
+            return qd4.QuantizedTensor(qd4.pack_codes(codes), self.scales.squeeze(-1).half(),
+                                       self.mins.squeeze(-1).half(), self.shape)
+
+
+def swap_layers(model, stored: dict, first_layer: int, tune: str = "scales"
+                ) -> tuple[dict[str, nn.Module], list[nn.Parameter]]:
+    """Replace the q4g linears of layers >= first_layer by ScaleTunedLinear (or CodeTunedLinear with
+    ``tune="codes"``); return them and the trainable params (theirs and the layers' norms)."""
     for p in model.parameters():
         p.requires_grad_(False)
-    tuned: dict[str, ScaleTunedLinear] = {}
+    tuned: dict[str, nn.Module] = {}
     params: list[nn.Parameter] = []
     for i, layer in enumerate(model.model.layers):
         if i < first_layer:
@@ -82,11 +118,11 @@ def swap_layers(model, stored: dict, first_layer: int) -> tuple[dict[str, ScaleT
             full = f"model.layers.{i}.{name}"
             if isinstance(module, nn.Linear) and module.bias is None and isinstance(stored.get(f"{full}.weight"),
                                                                                     qd4.QuantizedTensor):
-                new = ScaleTunedLinear(stored[f"{full}.weight"])
+                new = (CodeTunedLinear if tune == "codes" else ScaleTunedLinear)(stored[f"{full}.weight"])
                 parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
                 setattr(parent, name.rsplit(".", 1)[-1], new)
                 tuned[f"{full}.weight"] = new
-                params += [new.scales, new.mins]
+                params += [new.latent] if tune == "codes" else [new.scales, new.mins]
             elif "norm" in name.rsplit(".", 1)[-1] and hasattr(module, "weight"):
                 module.weight.requires_grad_(True)
                 params.append(module.weight)
@@ -109,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--teacher", default=None, help="float checkpoint of the same draft: tune toward its next-token "
                     "distribution (KL) instead of the target's tokens (cross-entropy)")
+    ap.add_argument("--tune", choices=("scales", "codes"), default="scales",
+                    help="scales: each group's fp16 scale and min (codes fixed); codes: a latent per weight whose "
+                         "rounding on the fixed grid gives the codes (scales and mins fixed)")
     ap.add_argument("--write", default=None, help="write the tuned packed dir here")
     ap.add_argument("--out", required=True, help="JSON results file")
     args = ap.parse_args(argv)
@@ -118,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     packed = Path(args.packed)
     model, _ = load_packed_model(packed, torch.float32)
     stored = qd4.load_qd4_quantized(packed / "draft.qd4")
-    tuned, params = swap_layers(model, stored, args.from_layer)
-    print(f"tuning {sum(p.numel() for p in params):,} parameters ({len(tuned)} linears' scales and mins, norms)",
+    tuned, params = swap_layers(model, stored, args.from_layer, args.tune)
+    print(f"tuning {sum(p.numel() for p in params):,} parameters ({len(tuned)} linears' {args.tune}, norms)",
           flush=True)
     teacher = None
     if args.teacher:
@@ -134,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         model.eval()
         with torch.no_grad():
             # what the file will hold: fp16 norms too. The latents are rounded in place (the last step always
-            # evaluates, so --write stores exactly what was scored last)
+            # evaluates, so --write stores exactly what was scored last); a code latent is not stored, its code is
+            latents = {id(m.latent) for m in tuned.values() if isinstance(m, CodeTunedLinear)}
             for p in params:
-                p.copy_(p.half().float())
+                if id(p) not in latents:
+                    p.copy_(p.half().float())
             stats = simulated_acceptance(model, validation, k=16)
         model.train()
         history.append({"step": step, "train_loss": loss, "pooled": stats.mean_accepted_pooled,
