@@ -207,23 +207,25 @@ def latency_bench(args, draft_dir: Path, points: list[dict[str, Any]], read_gbs:
 
     modes: dict[str, Any] = {}
     float_drafts: list[list[int]] | None = None
-    for compute in args.computes:
-        engine = load_engine(draft_dir, None, compute)
-        log.info("timing draft_batch at batch 1, compute=%s", compute)
+    for mode in args.computes:
+        compute, _, variant = mode.partition("/")  # "int4/hf": decode steps through transformers' forward
+        engine = load_engine(draft_dir, None, compute, lean=variant != "hf")
+        log.info("timing draft_batch at batch 1, compute=%s, lean decode %s", compute, engine.load_info["lean_forward"])
         times, outs = timed(lambda c: engine.draft([c], n)[0])
         s = summary(times, outs)
         s["weight_bytes_per_token"] = engine.bytes_per_token()
         s["floor_ms"] = 1000 * n * engine.bytes_per_token() / (args.bandwidth_gbs * 1e9)
         s["floor_ms_measured_bw"] = 1000 * n * engine.bytes_per_token() / (read_gbs * 1e9)
         s["speedup_vs_generate"] = results["generate_float32"]["p50_ms"] / s["p50_ms"]
-        if compute == "float32":
+        s["lean_forward"] = engine.load_info["lean_forward"]
+        if mode == "float32":
             float_drafts = outs
             s["generate_agreement"] = _agreement(outs, gen_outs)
         if float_drafts is not None:
             s["agreement_vs_float32"] = _agreement(outs, float_drafts)
-        if compute == args.server_compute:
+        if mode == args.server_compute:
             s["batched_equals_single"] = _batched_vs_single(engine, contexts, outs, n)
-        modes[compute] = s
+        modes[mode] = s
         engine = None  # free this engine before the next loads
     results["modes"] = modes
     ref = modes.get("float32")
@@ -262,7 +264,8 @@ def acceptance_bench(args, model_dirs: dict[str, Path], points: list[dict[str, A
         per_mode: dict[str, Any] = {}
         drafts_f32: list[list[int]] | None = None
         for compute in args.computes:
-            engine = load_engine(model_dir, None, compute)
+            base, _, variant = compute.partition("/")
+            engine = load_engine(model_dir, None, base, lean=variant != "hf")
             t = time.perf_counter()
             drafts: list[list[int]] = []
             for start in range(0, len(contexts), 8):
@@ -529,7 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--validation", help="validation.jsonl to take contexts and target tokens from")
     p.add_argument("--points", type=int, default=48, help="evaluation points (contexts) to use")
     p.add_argument("--repeats", type=int, default=2, help="timing passes over the contexts (latency part)")
-    p.add_argument("--computes", default="float32,bfloat16,int4", help="compute formats to time")
+    p.add_argument("--computes", default="float32,bfloat16,int4",
+                   help="compute formats to time; a '/hf' suffix (int4/hf) times the same format with decode steps "
+                        "through transformers' forward instead of specdraft.lean")
     p.add_argument("--threads", type=int, default=None, help="torch threads for the latency part")
     p.add_argument("--bandwidth-gbs", type=float, default=22.0, help="memory read bandwidth for the floor")
     p.add_argument("--server-compute", default="int4", choices=["float32", "bfloat16", "int4"])

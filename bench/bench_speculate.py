@@ -46,31 +46,40 @@ def write_prompts(path: Path) -> Path:
     return path
 
 
-def _time_forward(model, n: int, context: int, repeats: int, clock: str = "cpu") -> float:
-    from transformers import DynamicCache
+def _time_forward(model, n: int, context: int, repeats: int, clock: str = "cpu", lean: bool = False) -> float:
+    """Median time of one forward of n tokens on a cache of ``context``: the model's own forward, or with
+    ``lean`` a decode step as the speculative draft runs it (``CachedDraftModel``: specdraft.lean)."""
+    from specdraft.speculate import CachedDraftModel, _crop_to, _forward
 
-    from specdraft.speculate import _crop_to, _forward
-
-    cache = DynamicCache(config=model.config)
+    drafter = CachedDraftModel(model, lean=lean)
+    cache = drafter.cache
     with torch.inference_mode():
         _forward(model, list(range(100, 100 + context)), cache, 0, logits_to_keep=1)
         keep = 1 if n == 1 else 0  # a decode step keeps the last logits; a verify pass needs all
-        _forward(model, [5] * n, cache, context, logits_to_keep=keep)  # warm
+
+        def run() -> None:
+            if lean:
+                drafter._forward([5] * n, context)
+            else:
+                _forward(model, [5] * n, cache, context, logits_to_keep=keep)
+
+        run()  # warm
         _crop_to(cache, context)
         now = time.process_time if clock == "cpu" else time.perf_counter
         times = []
         for _ in range(repeats):
             t0 = now()
-            _forward(model, [5] * n, cache, context, logits_to_keep=keep)
+            run()
             times.append(now() - t0)
             _crop_to(cache, context)
     return statistics.median(times)
 
 
 def cost_model(target, drafts: dict, ks: list[int], context: int = 96, repeats: int = 7, clock: str = "cpu") -> dict:
+    """``drafts``: name -> (model, lean)."""
     t1 = _time_forward(target, 1, context, repeats, clock)
     verify = {k: _time_forward(target, k + 1, context, repeats, clock) for k in ks}
-    draft_step = {name: _time_forward(m, 1, context, repeats, clock) for name, m in drafts.items()}
+    draft_step = {name: _time_forward(m, 1, context, repeats, clock, lean) for name, (m, lean) in drafts.items()}
     rows = []
     for name, d in draft_step.items():
         for k in ks:
@@ -98,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steady on a shared machine)")
     ap.add_argument("--draft-cache", choices=["keep", "reprefill", "both"], default="keep")
     ap.add_argument("--draft-compute", choices=["float32", "bfloat16", "int4"], default="int4")
+    ap.add_argument("--draft-confidence", type=float, default=None,
+                    help="stop a step's draft after a token below this probability (default: specdraft "
+                         "speculate's, 0.4; 0: always k)")
+    ap.add_argument("--draft-lean", choices=["on", "off", "both"], default="on",
+                    help="draft decode through specdraft.lean, transformers' forward, or both side by side")
     ap.add_argument("--cost-model-computes", default="float32,int4",
                     help="draft compute formats timed in the cost model (comma separated)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="cpu",
@@ -133,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         target = load_model(target_spec)
         drafts = {}
         for compute in [c for c in args.cost_model_computes.split(",") if c]:
-            drafts[f"draft/{compute}"], _ = load_draft_model(draft, compute)
+            model, _ = load_draft_model(draft, compute)
+            drafts[f"draft/{compute}"] = (model, True)  # as the speculative draft runs it (specdraft.lean)
+            drafts[f"draft/{compute}/hf"] = (model, False)  # through transformers' forward
         cm = cost_model(target, drafts, ks, clock=args.clock)
         cm["threads"] = torch.get_num_threads()
         cm["note"] = note
@@ -151,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = SpeculateConfig(target=target_spec, draft=draft, prompts=prompts, out=out,
                               max_new_tokens=args.max_new_tokens, k=ks, num_prompts=args.num_prompts,
                               draft_cache=args.draft_cache, draft_compute=args.draft_compute, threads=args.threads,
+                              draft_lean=args.draft_lean,
+                              **({} if args.draft_confidence is None else {"draft_confidence": args.draft_confidence}),
                               note=note or None, clock=args.clock,
                               hybrid_min_ngram=args.hybrid_min_ngram or None)
         return run_speculate(cfg)

@@ -265,14 +265,21 @@ def test_int4_prefill_runs_dense_bf16_and_decode_runs_the_codes(packed_dir):
     forwards = []
     engine.model.register_forward_pre_hook(
         lambda mod, args, kw: forwards.append(body[0].phase.prefill), with_kwargs=True)  # runs after track_phase
-    try:
-        torch.ops.aten._weight_int4pack_mm_for_cpu = lambda *a: calls.append(a[0].shape[0]) or real(*a)
-        calls.clear()
-        engine.draft([[5, 6, 7, 8], [9]], 3)
-    finally:
-        torch.ops.aten._weight_int4pack_mm_for_cpu = real
-    prefills, steps = forwards.count(True), forwards.count(False)
-    assert prefills >= 1 and steps == 2 and len(calls) == prefills + steps * len(layers)
+    from specdraft.decode import draft_batch
+    from specdraft.lean import lean_forward
+    assert lean_forward(engine.model) is not None  # built before counting (its fusion probe calls the kernel)
+    for lean in (False, True):
+        forwards.clear()
+        try:
+            torch.ops.aten._weight_int4pack_mm_for_cpu = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+            calls.clear()
+            draft_batch(engine.model, [[5, 6, 7, 8], [9]], 3, lean=lean)
+        finally:
+            torch.ops.aten._weight_int4pack_mm_for_cpu = real
+        prefills, steps = forwards.count(True), forwards.count(False)
+        # the 2 decode steps run every linear on its codes, through model(...) or the lean forward
+        assert steps == (0 if lean else 2)
+        assert prefills >= 1 and len(calls) == prefills + 2 * len(layers)
     off = load_engine(packed_dir, None, "int4", dense_prefill=False)
     assert all(m.phase is None and not hasattr(m, "dense") for m in off.model.modules() if isinstance(m, Int4Linear))
 
@@ -285,11 +292,15 @@ def test_prefill_row_buckets_are_few_and_cap_padding_at_25_percent():
 
 
 def test_prefill_is_told_from_a_decode_step_by_positions():
-    from specdraft.server.engine import is_prefill
+    from specdraft.server.engine import INT4_EXTEND_MAX_TOKENS, is_prefill
     assert is_prefill({"position_ids": torch.tensor([[0, 1, 2], [0, 0, 1]])})
     assert is_prefill({"position_ids": torch.tensor([[0]])})  # a one-token context, alone
     assert not is_prefill({"position_ids": torch.tensor([[1], [7]])})
     assert is_prefill({"input_ids": torch.tensor([[4, 5]])}) and not is_prefill({"input_ids": torch.tensor([[4]])})
+    # A short extension of a kept cache (speculative catch-up) stays on the codes; a long one is a prefill.
+    assert not is_prefill({"position_ids": torch.arange(40, 43)[None]})
+    assert not is_prefill({"position_ids": torch.arange(40, 40 + INT4_EXTEND_MAX_TOKENS)[None]})
+    assert is_prefill({"position_ids": torch.arange(40, 41 + INT4_EXTEND_MAX_TOKENS)[None]})
 
 
 def test_from_pretrained_only_without_a_weight_file(tiny_llama_dir, packed_dir, tmp_path):

@@ -112,6 +112,52 @@ def test_cached_draft_model_equals_draft_batch(models):
             ctx = ctx + got[: rng.randrange(0, k + 1)] + [rng.randrange(3, 300)]
 
 
+def test_cached_int4_draft_catches_up_on_the_codes(tiny_llama_dir):
+    """A catch-up of a few tokens (accepted drafts + the bonus token) runs on the int4 kernel, like a decode
+    step, not on the dense bf16 copy the context prefill uses (4x the bytes at a few rows) -- through the lean
+    forward and through the model's own (``server.engine.is_prefill``)."""
+    from specdraft.evaluate import load_draft_model
+    from specdraft.server.engine import Int4Linear
+
+    draft, _ = load_draft_model(tiny_llama_dir, "int4")
+    body = [m for m in draft.modules() if isinstance(m, Int4Linear) and m.phase is not None]
+    ctx = [5, 9, 14, 3, 22, 7]
+    for lean in (True, False):
+        cached = CachedDraftModel(draft, lean=lean)
+        got = cached.propose(ctx, 3)
+        rows, real = [], torch.ops.aten._weight_int4pack_mm_for_cpu
+        try:
+            torch.ops.aten._weight_int4pack_mm_for_cpu = lambda *a: rows.append(a[0].shape[0]) or real(*a)
+            cached.propose(ctx + got + [11], 2)  # feeds got[-1] and 11: two tokens at positions 8, 9
+        finally:
+            torch.ops.aten._weight_int4pack_mm_for_cpu = real
+        head_calls = 2  # the head runs on the codes in every pass (one row per forward: logits_to_keep=1)
+        assert sorted(rows) == sorted([2] * len(body) + [1] * len(body) + [1] * head_calls), lean
+
+
+def test_confident_draft_stops_after_its_first_unlikely_token(models):
+    target, draft = models
+    rng = random.Random(11)
+    ctx = [rng.randrange(3, draft.config.vocab_size) for _ in range(7)]
+    full = CachedDraftModel(draft).propose(ctx, 8)
+    # the draft's own probability of each greedy token, recomputed without a cache
+    probs = []
+    with torch.inference_mode():
+        for i in range(8):
+            logits = draft(input_ids=torch.tensor([ctx + full[:i]])).logits[0, -1].float()
+            probs.append(float(logits.softmax(-1).max()))
+    for threshold in (0.0, 1.01, sorted(probs)[4]):
+        got = CachedDraftModel(draft, min_confidence=threshold).propose(ctx, 8)
+        stop = next((i + 1 for i, p in enumerate(probs) if p < threshold), 8)
+        assert got == full[:stop], threshold
+    assert len(CachedDraftModel(draft, min_confidence=1.01).propose(ctx, 8)) == 1
+    # still lossless inside speculative decoding
+    prompt = [rng.randrange(3, target.config.vocab_size) for _ in range(9)]
+    ref = greedy_decode(target, [prompt], 20, stop_at_eos=False)[0].tokens
+    gen = speculative_generate(target, CachedDraftModel(draft, min_confidence=0.5), prompt, 20, 6, eos_ids=set())
+    assert gen.tokens == ref
+
+
 def test_crop_to(models):
     target, _ = models
     cache = DynamicCache(config=target.config)
@@ -163,19 +209,21 @@ def test_run_speculate_report_matches_recomputation(tmp_path, tiny_qwen3_dir, ti
     assert report["lossless"] and not report["mismatches"]
     assert set(report["drafters"]) == {"draft", "draft+lookup", "lookup"}
     assert report["provenance"]["drafters"]["draft"]["compute"] == "int4"  # the default, as the server runs it
+    assert report["provenance"]["drafters"]["draft"]["min_confidence"] == cfg.draft_confidence == 0.4
     # accepted tokens per step recomputed independently from the same prompts
     tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
     prompts = load_prompts(cfg.prompts, tok)
     int4_draft, _ = load_draft_model(tiny_llama_dir, "int4")
     for k in (1, 3):
-        gens = [speculative_generate(target, CachedDraftModel(int4_draft), p.ids, 12, k) for p in prompts]
+        drafter = CachedDraftModel(int4_draft, min_confidence=cfg.draft_confidence)
+        gens = [speculative_generate(target, drafter, p.ids, 12, k) for p in prompts]
         row = report["drafters"]["draft"]["per_k"][str(k)]
         assert row["accepted_per_step"] == pytest.approx(sum(g.accepted for g in gens) / sum(g.steps for g in gens))
         assert row["tokens"] == sum(len(g.tokens) for g in gens)
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / report["baseline"]["tokens_per_s"])
         assert row["tokens_per_s"] == row["tokens_per_s_wall"] and row["tokens_per_s_cpu"] > 0  # clock: wall
         # the hybrid: same draft behind lookup, in its own proposer (own cache)
-        hybrid = HybridProposer(CachedDraftModel(int4_draft), cfg.hybrid_min_ngram)
+        hybrid = HybridProposer(CachedDraftModel(int4_draft, min_confidence=cfg.draft_confidence), cfg.hybrid_min_ngram)
         gens = [speculative_generate(target, hybrid, p.ids, 12, k) for p in prompts]
         row = report["drafters"]["draft+lookup"]["per_k"][str(k)]
         assert row["accepted_per_step"] == pytest.approx(sum(g.accepted for g in gens) / sum(g.steps for g in gens))
@@ -215,6 +263,22 @@ def test_config_k_and_cli_alias(tmp_path):
     assert SpeculateConfig(draft="lookup", prompts="p").k == [2, 4, 8, 16]
     with pytest.raises(ValueError):
         SpeculateConfig(draft="lookup", prompts="p", k=[0])
+
+
+def test_draft_lean_on_off_and_both(tiny_qwen3_dir, tiny_llama_dir):
+    from specdraft.speculate import build_proposers
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    by_name = {}
+    for setting in ("on", "off", "both"):
+        cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts="p", draft_lean=setting)
+        by_name[setting] = {name: (p, src) for name, p, src in build_proposers(cfg, tok)}
+    assert by_name["on"]["draft"][0].lean is not None and by_name["off"]["draft"][0].lean is None
+    assert set(by_name["both"]) == {"draft", "draft-hf", "draft+lookup", "lookup"}
+    assert by_name["both"]["draft-hf"][0].lean is None and by_name["both"]["draft-hf"][1]["lean"] is False
+    assert by_name["off"]["draft+lookup"][0].proposer.lean is None  # the hybrid's own draft follows the setting
+    ctx = [5, 9, 14, 3, 22, 7, 40, 41]
+    assert by_name["both"]["draft"][0].propose(ctx, 4) == by_name["both"]["draft-hf"][0].propose(ctx, 4)
 
 
 def test_hybrid_proposer_asks_the_model_only_where_lookup_has_nothing():

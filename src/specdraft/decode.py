@@ -12,7 +12,8 @@ Two engines share those rules:
   (EOS or the limit) leave their slot and waiting prompts are prefilled into the free slots (continuous
   batching), so the batch stays full instead of decoding padding until its longest row ends.
   ``iter_greedy`` yields each prompt's result as soon as it is done. Needs a model whose layers all use
-  full attention through ``sdpa`` or ``eager`` (Llama, Qwen2/3, Mistral without a window, ...).
+  full attention through ``sdpa`` or ``eager`` (Llama, Qwen2/3, Mistral without a window, ...). Its decode
+  steps run ``lean.LeanForward`` (the forward written out; bit-identical logits) where the model allows it.
 * **dynamic engine** (``kv_cache="dynamic"``, and the fallback for any other model): the small
   ``prefill`` / ``decode_step`` / ``keep_rows`` functions over a transformers ``DynamicCache``; one
   left-padded batch, finished rows dropped.
@@ -30,6 +31,8 @@ from typing import Iterable, Iterator, Literal, Sequence
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .lean import lean_forward
 
 KVCache = Literal["auto", "static", "dynamic"]
 DEFAULT_PREFILL_TOKENS = 8192  # most prompt tokens (padding included) run through one prefill forward
@@ -294,8 +297,10 @@ class SlotDecoder:
     """
 
     def __init__(self, model, slots: int, capacity: int, max_new_tokens: int, eos: set[int],
-                 pad_id: int | None = None):
+                 pad_id: int | None = None, lean: bool = True):
         self.model, self.max_new_tokens, self.eos = model, max_new_tokens, eos
+        # decode steps through the written-out forward (bit-identical logits, less overhead) where it applies
+        self.lean = lean_forward(model) if lean else None
         self.device = _device(model)
         self.pad_id = pad_token_id(model) if pad_id is None else pad_id
         self.eager = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
@@ -369,11 +374,16 @@ class SlotDecoder:
         cols = self.columns[:width]
         allowed = (cols >= self.start[:n, None]) & (cols <= end[:, None])  # [n, width]
         self.cache.plan_step(n, end, width)
-        out = self.model(input_ids=self.last[:n, None], attention_mask=self._mask(allowed[:, None, None]),
-                         position_ids=self.position[:n, None], use_cache=True,
-                         **cache_kwargs(self.model, self.cache))
+        if self.lean is not None:  # attention row by row over each row's own columns: exactly what it gets alone
+            key_ranges = list(zip(self.start[:n].tolist(), (end + 1).tolist()))
+            logits = self.lean(self.last[:n, None], self.position[:n, None], allowed[:, None, None], self.cache,
+                               key_ranges=key_ranges)
+        else:
+            logits = self.model(input_ids=self.last[:n, None], attention_mask=self._mask(allowed[:, None, None]),
+                                position_ids=self.position[:n, None], use_cache=True,
+                                **cache_kwargs(self.model, self.cache)).logits
         self.cache.end_forward()
-        nxt = out.logits[:, -1, :].argmax(-1)  # [n]
+        nxt = logits[:, -1, :].argmax(-1)  # [n]
         self.end[:n] += 1
         self.position[:n] += 1
         self.last[:n] = nxt
@@ -421,8 +431,8 @@ class SlotDecoder:
 def iter_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                 batch_size: int | None = None, eos_ids: Iterable[int] | None = None, stop_at_eos: bool = True,
                 order: Sequence[int] | None = None, kv_cache: KVCache = "auto", refill_min: int = 1,
-                prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
-                max_padding: float = DEFAULT_MAX_PADDING) -> Iterator[tuple[int, Generation]]:
+                prefill_tokens: int = DEFAULT_PREFILL_TOKENS, max_padding: float = DEFAULT_MAX_PADDING,
+                lean: bool = True) -> Iterator[tuple[int, Generation]]:
     """Greedy continuation of every prompt, yielded as ``(index, Generation)`` the moment a row finishes.
 
     At most ``batch_size`` rows decode together (all prompts when None). Prompts enter in ``order``
@@ -430,7 +440,8 @@ def iter_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     row's slot is refilled from the waiting prompts (once ``refill_min`` slots are free); prompts are
     prefilled in left-padded groups of at most ``prefill_tokens`` tokens with at most ``max_padding`` of
     them padding (see ``prefill_group``). The dynamic engine decodes consecutive groups of ``batch_size``
-    instead.
+    instead. ``lean`` lets the slot engine's decode steps run ``lean.LeanForward`` where the model allows it
+    (same logits, less overhead; False: always the model's own forward).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
@@ -457,7 +468,7 @@ def iter_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
         raise ValueError(f"kv_cache must be auto, static or dynamic, not {kv_cache!r}")
     slots = min(batch_size, n)
     capacity = max(len(p) for p in prompts) + max_new_tokens
-    decoder = SlotDecoder(model, slots, capacity, max_new_tokens, eos)
+    decoder = SlotDecoder(model, slots, capacity, max_new_tokens, eos, lean=lean)
     waiting = deque(order)
     refill_min = max(1, min(refill_min, slots))
     while waiting or decoder.n:
@@ -488,7 +499,8 @@ def prefill_group(waiting: deque, lengths: Sequence[int], free: int, max_tokens:
 @torch.inference_mode()
 def greedy_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                   eos_ids: Iterable[int] | None = None, stop_at_eos: bool = True, *,
-                  batch_size: int | None = None, kv_cache: KVCache = "auto") -> list[Generation]:
+                  batch_size: int | None = None, kv_cache: KVCache = "auto", lean: bool = True,
+                  max_padding: float = DEFAULT_MAX_PADDING) -> list[Generation]:
     """Greedy continuation of every prompt, stopping per row at EOS or the limit; results in input order.
 
     All prompts decode as one batch unless ``batch_size`` is given (then the batch is refilled as rows
@@ -496,15 +508,20 @@ def greedy_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     """
     results: list[Generation | None] = [None] * len(prompts)
     for i, gen in iter_greedy(model, prompts, max_new_tokens, batch_size=batch_size, eos_ids=eos_ids,
-                              stop_at_eos=stop_at_eos, kv_cache=kv_cache):
+                              stop_at_eos=stop_at_eos, kv_cache=kv_cache, lean=lean, max_padding=max_padding):
         results[i] = gen
     return results  # type: ignore[return-value]
 
 
 @torch.inference_mode()
-def draft_batch(model, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
-    """Exactly ``num_tokens`` greedy tokens per context (no EOS stop): what the draft server returns."""
-    return [g.tokens for g in greedy_decode(model, contexts, num_tokens, stop_at_eos=False)]
+def draft_batch(model, contexts: Sequence[Sequence[int]], num_tokens: int, lean: bool = True) -> list[list[int]]:
+    """Exactly ``num_tokens`` greedy tokens per context (no EOS stop): what the draft server returns.
+
+    Each row gets exactly what it gets alone (on the lean path): contexts are prefilled without padding (only
+    equal lengths share a prefill; CPU attention over left-padded keys rounds differently) and decode steps
+    attend row by row (``LeanForward``'s ``key_ranges``)."""
+    return [g.tokens for g in greedy_decode(model, contexts, num_tokens, stop_at_eos=False, lean=lean,
+                                            max_padding=0.0)]
 
 
 @torch.inference_mode()

@@ -28,12 +28,16 @@ from pydantic import Field, field_validator
 
 from .config import StageConfig
 from .decode import cache_kwargs, eos_token_ids, greedy_decode
+from .lean import lean_forward
 from .drafters import DEFAULT_HYBRID_MIN_NGRAM, lookup_draft
 from .metrics import accepted_length
 from .models import DEFAULT_TARGET
 from .provenance import atomic_write_json, atomic_write_text, run_metadata, sha256_file, stage_log
 
 log = logging.getLogger("specdraft.speculate")
+
+
+DEFAULT_DRAFT_CONFIDENCE = 0.4  # transformers' assisted generation uses the same threshold by default
 
 
 class SpeculateConfig(StageConfig):
@@ -51,6 +55,15 @@ class SpeculateConfig(StageConfig):
     draft_cache: Literal["keep", "reprefill", "both"] = Field(
         "keep", description="in-process draft model: keep its KV cache across steps (rolled back to the "
                             "accepted prefix), re-prefill the whole context every step, or time both")
+    draft_confidence: float | None = Field(
+        DEFAULT_DRAFT_CONFIDENCE, ge=0.0, le=1.0,
+        description="in-process draft model: stop a step's draft after a token the draft gives less than this "
+                    "probability (fewer, likelier drafts per step; the default is transformers' "
+                    "assistant_confidence_threshold; 0 or null: always k)")
+    draft_lean: Literal["on", "off", "both"] = Field(
+        "on", description="in-process draft model: decode through specdraft.lean (the forward written out, same "
+                          "tokens) where it applies, through transformers' forward ('off'), or time both ('both' "
+                          "adds 'draft-hf')")
     chat_template: bool = Field(True, description="wrap text prompts in the target's chat template "
                                                   "(add_generation_prompt)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="target dtype")
@@ -157,9 +170,28 @@ class CachedDraftModel:
     the rest, feeds only the new tokens, then decodes k tokens greedily one at a time.
     """
 
-    def __init__(self, model, name: str = "draft"):
+    def __init__(self, model, name: str = "draft", lean: bool = True, min_confidence: float | None = None):
         self.model, self.name = model.eval(), name
+        self.lean = lean_forward(model) if lean else None
+        # Stop drafting after a token whose probability is below this (transformers' assisted generation calls
+        # it assistant_confidence_threshold): its successors are unlikely to be accepted, and each costs a step.
+        self.min_confidence = min_confidence
         self.reset()
+
+    def _forward(self, ids: Sequence[int], start: int) -> torch.Tensor:
+        """Last-position logits of ``ids`` fed at positions start..; steps and short catch-ups (the accepted
+        drafts and the bonus token) take the lean forward, on the 4-bit codes of an int4 draft; the context's
+        prefill takes the model's own (its dense path), by the same rule as ``server.engine.is_prefill``."""
+        from .server.engine import INT4_EXTEND_MAX_TOKENS
+
+        n = len(ids)
+        if self.lean is None or start == 0 or n > INT4_EXTEND_MAX_TOKENS:
+            return _forward(self.model, ids, self.cache, start, logits_to_keep=1)
+        device = next(self.model.parameters()).device
+        positions = torch.arange(start, start + n, device=device)[None]  # [1, n]
+        # one new token sees every cached key (no mask); several need the causal pattern over the cache
+        mask = None if n == 1 else (torch.arange(start + n, device=device) <= positions[0, :, None])[None, None]
+        return self.lean(torch.tensor([list(ids)], device=device), positions, mask, self.cache)
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -182,15 +214,22 @@ class CachedDraftModel:
         _crop_to(self.cache, common)
         del self.tokens[common:]
         feed = context[common:]
-        logits = _forward(self.model, feed, self.cache, common, logits_to_keep=1)
+        logits = self._forward(feed, common)
         self.tokens.extend(feed)
         self.fed_tokens += len(feed)
         out = [int(logits[0, -1].argmax())]
         for _ in range(k - 1):
-            logits = _forward(self.model, out[-1:], self.cache, len(self.tokens), logits_to_keep=1)
+            if self.min_confidence is not None and _top_probability(logits) < self.min_confidence:
+                break
+            logits = self._forward(out[-1:], len(self.tokens))
             self.tokens.append(out[-1])
             out.append(int(logits[0, -1].argmax()))
         return out
+
+
+def _top_probability(logits: torch.Tensor) -> float:
+    """Probability of the greedy token at the last position of [1, T, V] logits."""
+    return float(torch.softmax(logits[0, -1].float(), -1).max())
 
 
 # --------------------------------------------------------------------------------------- speculation
@@ -392,7 +431,13 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
         model, source = load_draft_model(draft_dir, config.draft_compute)
         source = {"kind": "in-process", **source}
         if config.draft_cache in ("keep", "both"):
-            out.append(("draft", CachedDraftModel(model, "draft"), {**source, "draft_cache": "keep"}))
+            lean = config.draft_lean != "off"
+            conf = config.draft_confidence
+            out.append(("draft", CachedDraftModel(model, "draft", lean=lean, min_confidence=conf),
+                        {**source, "draft_cache": "keep", "lean": lean, "min_confidence": conf}))
+            if config.draft_lean == "both":
+                out.append(("draft-hf", CachedDraftModel(model, "draft-hf", lean=False, min_confidence=conf),
+                            {**source, "draft_cache": "keep", "lean": False, "min_confidence": conf}))
         if config.draft_cache in ("reprefill", "both"):
             name = "draft-reprefill" if config.draft_cache == "both" else "draft"
             out.append((name, DrafterProposer(ModelDrafter(model, name=name, max_batch_size=1), name),
@@ -401,7 +446,8 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
         # Its own proposer instance (a separate draft cache), so the plain draft's rows stay untouched.
         base_name, base, base_source = out[0]
         if isinstance(base, CachedDraftModel):
-            base = CachedDraftModel(base.model, base_name)
+            base = CachedDraftModel(base.model, base_name, lean=base.lean is not None,
+                                    min_confidence=base.min_confidence)
         out.append(("draft+lookup", HybridProposer(base, config.hybrid_min_ngram, "draft+lookup"),
                     {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "draft": base_source}))
     if config.baseline_lookup and spec != "lookup":
@@ -545,7 +591,9 @@ def speculate_markdown(report: dict[str, Any]) -> str:
     lines = ["# Speculative decoding (greedy, lossless, batch 1)", "",
              f"Target `{cfg['target']}`, draft `{cfg['draft']}`, {report['prompts']} prompts, "
              f"max {cfg['max_new_tokens']} new tokens, target dtype {cfg['dtype']}, "
-             f"draft compute {cfg['draft_compute']}, torch threads {report['threads']}.", "",
+             f"draft compute {cfg['draft_compute']}, torch threads {report['threads']}"
+             + (f"; an in-process draft stops a step's draft after a token it gives p < {cfg['draft_confidence']}"
+                if cfg.get("draft_confidence") else "") + ".", "",
              f"Clock: **{report['clock']}** (tokens/s, speedup and best k use it; the other is in the JSON"
              + ("; CPU time = this process's CPU seconds, at 1 thread immune to other processes' load"
                 if report["clock"] == "cpu" else "") + ").", "",

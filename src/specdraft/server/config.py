@@ -35,6 +35,10 @@ class ServeConfig(StageConfig):
         True, description="with compute=int4, run the prefill of the contexts as a dense bf16 matmul (a bf16 "
                           "copy of the layer weights, ~2.3x faster than the int4 kernel at many rows); decode "
                           "steps stay on the 4-bit codes")
+    lean: bool = Field(
+        True, description="run decode steps through specdraft's written-out Llama/Qwen forward (specdraft.lean: "
+                          "the same logits bit for bit, q/k/v in one int4 call, less per-call overhead); off, or "
+                          "for other architectures, transformers' own forward")
     trim_heap: bool = Field(
         True, description="hand freed memory back to the OS after every model step (glibc malloc_trim): batches "
                           "of varying shapes otherwise leave the heap fragmented and the RSS climbing "
