@@ -374,7 +374,8 @@ class SlotDecoder:
         cols = self.columns[:width]
         allowed = (cols >= self.start[:n, None]) & (cols <= end[:, None])  # [n, width]
         self.cache.plan_step(n, end, width)
-        if self.lean is not None:  # attention row by row over each row's own columns: exactly what it gets alone
+        if self.lean is not None:  # attention row by row on its own columns, as alone (CPU attention rounds
+            # differently with other rows' columns beside a row's keys)
             key_ranges = list(zip(self.start[:n].tolist(), (end + 1).tolist()))
             logits = self.lean(self.last[:n, None], self.position[:n, None], allowed[:, None, None], self.cache,
                                key_ranges=key_ranges)

@@ -28,8 +28,8 @@ from pydantic import Field, field_validator
 
 from .config import StageConfig
 from .decode import cache_kwargs, eos_token_ids, greedy_decode
-from .lean import lean_forward
 from .drafters import DEFAULT_HYBRID_MIN_NGRAM, lookup_draft
+from .lean import lean_forward
 from .metrics import accepted_length
 from .models import DEFAULT_TARGET
 from .provenance import atomic_write_json, atomic_write_text, run_metadata, sha256_file, stage_log
@@ -57,8 +57,8 @@ class SpeculateConfig(StageConfig):
                             "accepted prefix), re-prefill the whole context every step, or time both")
     draft_confidence: float | None = Field(
         DEFAULT_DRAFT_CONFIDENCE, ge=0.0, le=1.0,
-        description="in-process draft model: stop a step's draft after a token the draft gives less than this "
-                    "probability (fewer, likelier drafts per step; the default is transformers' "
+        description="in-process draft model with a kept cache: stop a step's draft after a token it gives less "
+                    "than this probability (fewer, likelier drafts per step; the default is transformers' "
                     "assistant_confidence_threshold; 0 or null: always k)")
     draft_lean: Literal["on", "off", "both"] = Field(
         "on", description="in-process draft model: decode through specdraft.lean (the forward written out, same "
@@ -167,7 +167,8 @@ class CachedDraftModel:
 
     ``tokens`` lists the ids whose keys/values are in the cache. Each ``propose`` keeps the longest
     common prefix of ``tokens`` and the new context (the accepted part of the previous draft), crops
-    the rest, feeds only the new tokens, then decodes k tokens greedily one at a time.
+    the rest, feeds only the new tokens, then decodes k tokens greedily one at a time (fewer when a token's
+    probability falls below ``min_confidence``). ``lean``: through ``lean.LeanForward`` where the model allows.
     """
 
     def __init__(self, model, name: str = "draft", lean: bool = True, min_confidence: float | None = None):
