@@ -148,8 +148,9 @@ def test_int4_projections_are_fused_only_where_the_concatenated_codes_compute_th
     _lean_equals_forward_on_a_kept_cache(model)
 
 
-def _step_logits(model, prompts, steps, max_padding):
-    """Logits of every decode step per prompt, decoding all prompts in one slot batch."""
+def _step_logits(model, prompts, steps):
+    """Logits of every decode step per prompt, decoding all prompts in one slot batch (``exact_rows``, as
+    ``draft_batch`` does)."""
     from specdraft.decode import iter_greedy
 
     captured = []
@@ -165,7 +166,7 @@ def _step_logits(model, prompts, steps, max_padding):
 
     SlotDecoder.step = step
     try:
-        list(iter_greedy(model, prompts, steps + 1, stop_at_eos=False, max_padding=max_padding))
+        list(iter_greedy(model, prompts, steps + 1, stop_at_eos=False, exact_rows=True))
     finally:
         SlotDecoder.step = real_step
     per_prompt = {i: [] for i in range(len(prompts))}
@@ -190,9 +191,9 @@ def test_a_row_in_a_batch_gets_the_logits_it_gets_alone_bit_for_bit(tmp_path):
     run_pack(PackConfig(checkpoint=str(src), out=str(tmp_path / "packed")))
     model = load_engine(tmp_path / "packed", None, "int4").model
     prompts = _prompts(model.config.vocab_size, [198, 216, 21, 133, 262, 249], seed=0)
-    batched = _step_logits(model, prompts, 6, max_padding=0.0)
+    batched = _step_logits(model, prompts, 6)
     for i, prompt in enumerate(prompts):
-        (alone,) = _step_logits(model, [prompt], 6, max_padding=0.0).values()
+        (alone,) = _step_logits(model, [prompt], 6).values()
         assert len(alone) == len(batched[i]) == 6
         assert all(torch.equal(a, b) for a, b in zip(alone, batched[i])), i
     assert draft_batch(model, prompts, 8) == [draft_batch(model, [p], 8)[0] for p in prompts]

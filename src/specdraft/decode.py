@@ -297,10 +297,13 @@ class SlotDecoder:
     """
 
     def __init__(self, model, slots: int, capacity: int, max_new_tokens: int, eos: set[int],
-                 pad_id: int | None = None, lean: bool = True):
+                 pad_id: int | None = None, lean: bool = True, row_attention: bool = False):
         self.model, self.max_new_tokens, self.eos = model, max_new_tokens, eos
         # decode steps through the written-out forward (bit-identical logits, less overhead) where it applies
         self.lean = lean_forward(model) if lean else None
+        # attention row by row on each row's own columns, as alone (CPU attention rounds differently with other
+        # rows' columns beside a row's keys); one call per row, so only where exactness is promised (the server)
+        self.row_attention = row_attention
         self.device = _device(model)
         self.pad_id = pad_token_id(model) if pad_id is None else pad_id
         self.eager = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
@@ -374,9 +377,8 @@ class SlotDecoder:
         cols = self.columns[:width]
         allowed = (cols >= self.start[:n, None]) & (cols <= end[:, None])  # [n, width]
         self.cache.plan_step(n, end, width)
-        if self.lean is not None:  # attention row by row on its own columns, as alone (CPU attention rounds
-            # differently with other rows' columns beside a row's keys)
-            key_ranges = list(zip(self.start[:n].tolist(), (end + 1).tolist()))
+        if self.lean is not None:
+            key_ranges = list(zip(self.start[:n].tolist(), (end + 1).tolist())) if self.row_attention else None
             logits = self.lean(self.last[:n, None], self.position[:n, None], allowed[:, None, None], self.cache,
                                key_ranges=key_ranges)
         else:
@@ -433,7 +435,7 @@ def iter_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                 batch_size: int | None = None, eos_ids: Iterable[int] | None = None, stop_at_eos: bool = True,
                 order: Sequence[int] | None = None, kv_cache: KVCache = "auto", refill_min: int = 1,
                 prefill_tokens: int = DEFAULT_PREFILL_TOKENS, max_padding: float = DEFAULT_MAX_PADDING,
-                lean: bool = True) -> Iterator[tuple[int, Generation]]:
+                lean: bool = True, exact_rows: bool = False) -> Iterator[tuple[int, Generation]]:
     """Greedy continuation of every prompt, yielded as ``(index, Generation)`` the moment a row finishes.
 
     At most ``batch_size`` rows decode together (all prompts when None). Prompts enter in ``order``
@@ -442,7 +444,9 @@ def iter_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     prefilled in left-padded groups of at most ``prefill_tokens`` tokens with at most ``max_padding`` of
     them padding (see ``prefill_group``). The dynamic engine decodes consecutive groups of ``batch_size``
     instead. ``lean`` lets the slot engine's decode steps run ``lean.LeanForward`` where the model allows it
-    (same logits, less overhead; False: always the model's own forward).
+    (same logits, less overhead; False: always the model's own forward). ``exact_rows`` makes every row get
+    the logits it gets alone, bit for bit, on the lean path with int4 weights: prompts of different lengths are
+    prefilled apart (``max_padding`` 0) and decode steps attend row by row (one attention call per row).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
@@ -469,7 +473,9 @@ def iter_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
         raise ValueError(f"kv_cache must be auto, static or dynamic, not {kv_cache!r}")
     slots = min(batch_size, n)
     capacity = max(len(p) for p in prompts) + max_new_tokens
-    decoder = SlotDecoder(model, slots, capacity, max_new_tokens, eos, lean=lean)
+    if exact_rows:
+        max_padding = 0.0
+    decoder = SlotDecoder(model, slots, capacity, max_new_tokens, eos, lean=lean, row_attention=exact_rows)
     waiting = deque(order)
     refill_min = max(1, min(refill_min, slots))
     while waiting or decoder.n:
@@ -501,7 +507,7 @@ def prefill_group(waiting: deque, lengths: Sequence[int], free: int, max_tokens:
 def greedy_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                   eos_ids: Iterable[int] | None = None, stop_at_eos: bool = True, *,
                   batch_size: int | None = None, kv_cache: KVCache = "auto", lean: bool = True,
-                  max_padding: float = DEFAULT_MAX_PADDING) -> list[Generation]:
+                  exact_rows: bool = False) -> list[Generation]:
     """Greedy continuation of every prompt, stopping per row at EOS or the limit; results in input order.
 
     All prompts decode as one batch unless ``batch_size`` is given (then the batch is refilled as rows
@@ -509,7 +515,7 @@ def greedy_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     """
     results: list[Generation | None] = [None] * len(prompts)
     for i, gen in iter_greedy(model, prompts, max_new_tokens, batch_size=batch_size, eos_ids=eos_ids,
-                              stop_at_eos=stop_at_eos, kv_cache=kv_cache, lean=lean, max_padding=max_padding):
+                              stop_at_eos=stop_at_eos, kv_cache=kv_cache, lean=lean, exact_rows=exact_rows):
         results[i] = gen
     return results  # type: ignore[return-value]
 
@@ -518,11 +524,10 @@ def greedy_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 def draft_batch(model, contexts: Sequence[Sequence[int]], num_tokens: int, lean: bool = True) -> list[list[int]]:
     """Exactly ``num_tokens`` greedy tokens per context (no EOS stop): what the draft server returns.
 
-    Each row gets exactly what it gets alone (on the lean path): contexts are prefilled without padding (only
-    equal lengths share a prefill; CPU attention over left-padded keys rounds differently) and decode steps
-    attend row by row (``LeanForward``'s ``key_ranges``)."""
+    Each row gets exactly what it gets alone (``exact_rows``; int4 weights on the lean path): contexts of
+    different lengths are prefilled apart and decode steps attend row by row."""
     return [g.tokens for g in greedy_decode(model, contexts, num_tokens, stop_at_eos=False, lean=lean,
-                                            max_padding=0.0)]
+                                            exact_rows=True)]
 
 
 @torch.inference_mode()
