@@ -206,3 +206,24 @@ def test_head_rescoring_gives_a_row_the_same_logits_alone_or_batched(packed_dir)
     assert head.rescore_top_k
     x = torch.randn(6, 1, head.in_features, generator=torch.Generator().manual_seed(0))
     assert torch.equal(head(x), torch.cat([head(x[i:i + 1]) for i in range(6)]))
+
+
+def test_lean_logits_equal_the_model_forward_for_qwen2_with_qkv_bias():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = Qwen2ForCausalLM(config).eval()
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    assert lean_unsupported(model) is None
+    _lean_equals_forward_on_a_kept_cache(model)
+    # int4 (quantised at load), q/k/v widths 128 / 64 / 64 so that they fuse, with their biases
+    from specdraft.server.engine import apply_compute
+
+    wide = Qwen2ForCausalLM(Qwen2Config(**{**config.to_dict(), "hidden_size": 128, "num_attention_heads": 2,
+                                           "num_key_value_heads": 1})).eval()
+    apply_compute(wide, "int4")
+    (fused,) = lean_forward(wide).layers[0].qkv.calls
+    assert fused.bias is not None
+    _lean_equals_forward_on_a_kept_cache(wide)
