@@ -182,14 +182,14 @@ class CachedDraftModel:
     def _forward(self, ids: Sequence[int], start: int) -> torch.Tensor:
         """Last-position logits of ``ids`` fed at positions start..; steps and short catch-ups (the accepted
         drafts and the bonus token) take the lean forward, on the 4-bit codes of an int4 draft; the context's
-        prefill takes the model's own (its dense path), by the same rule as ``server.engine.is_prefill``."""
-        from .server.engine import INT4_EXTEND_MAX_TOKENS
+        prefill takes the model's own (its dense path): the rule of ``server.engine.is_prefill``, called."""
+        from .server.engine import is_prefill
 
         n = len(ids)
-        if self.lean is None or start == 0 or n > INT4_EXTEND_MAX_TOKENS:
-            return _forward(self.model, ids, self.cache, start, logits_to_keep=1)
         device = next(self.model.parameters()).device
         positions = torch.arange(start, start + n, device=device)[None]  # [1, n]
+        if self.lean is None or is_prefill({"position_ids": positions}):
+            return _forward(self.model, ids, self.cache, start, logits_to_keep=1)
         # one new token sees every cached key (no mask); several need the causal pattern over the cache
         mask = None if n == 1 else (torch.arange(start + n, device=device) <= positions[0, :, None])[None, None]
         return self.lean(torch.tensor([list(ids)], device=device), positions, mask, self.cache)
