@@ -56,8 +56,8 @@ def apply_variant(model, variant: str, calibration: str | None, lossless_grids: 
     embedding = qd4.embedding_name(model)
     if name == "float":
         return {}
-    group_sizes = {n: g for n, t in stored.items() if t.dim() == 2
-                   and (g := qd4.lossless_group_size(t, GROUP_SIZE)) != GROUP_SIZE} if lossless_grids else {}
+    group_sizes = qd4.lossless_group_sizes(stored, GROUP_SIZE, [n for n, t in stored.items() if t.dim() == 2]
+                                           ) if lossless_grids else {}
     if name in ("minmax", "minmax-embedding"):
         for n, t in stored.items():
             if t.dim() == 2 and (name == "minmax" or n == embedding):

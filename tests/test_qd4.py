@@ -256,6 +256,10 @@ def test_lossless_group_size_keeps_the_default_otherwise():
     bad = _on_grid(4, 64, 32)
     bad[0, 0] = float("nan")
     assert qd4.lossless_group_size(bad, 64) == 64  # left for the writer to refuse, with the tensor's name
+    tensors = {"fine": _on_grid(16, 128, 32), "default": _on_grid(16, 128, 64), "free": torch.randn(16, 128),
+               "fine-skipped": _on_grid(16, 128, 32)}
+    assert qd4.lossless_group_sizes(tensors, 64, ["fine", "default", "free"]) == {"fine": 32}
+    assert qd4.lossless_group_sizes(tensors, 64) == {"fine": 32, "fine-skipped": 32}
 
 
 def test_write_read_per_tensor_group_sizes(tmp_path):

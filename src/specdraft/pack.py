@@ -191,12 +191,7 @@ def _group_sizes(cfg: PackConfig, tensors: dict[str, torch.Tensor], encodings: d
     """{name: G} for the q4g tensors stored at another G than ``cfg.group_size`` (``qd4.lossless_group_size``)."""
     if not cfg.lossless_grids:
         return {}
-    out = {}
-    for name, t in tensors.items():
-        if encodings[name] == "q4g":
-            g = qd4.lossless_group_size(t, cfg.group_size)
-            if g != cfg.group_size:
-                out[name] = g
+    out = qd4.lossless_group_sizes(tensors, cfg.group_size, [n for n in tensors if encodings[n] == "q4g"])
     if out:
         log.info("%d of %d q4g tensors sit exactly on a finer grid and are stored on it (G=%s): %s", len(out),
                  sum(e == "q4g" for e in encodings.values()), sorted(set(out.values())),

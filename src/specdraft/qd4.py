@@ -320,6 +320,18 @@ def lossless_group_size(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
     return group_size
 
 
+def lossless_group_sizes(tensors: Mapping[str, torch.Tensor], group_size: int = DEFAULT_GROUP_SIZE,
+                         names: Iterable[str] | None = None) -> dict[str, int]:
+    """{name: G} for those of ``names`` (default: all) whose ``lossless_group_size`` is not ``group_size``:
+    what ``write_qd4(..., group_sizes=)`` takes to keep them on their finer grid."""
+    out = {}
+    for name in tensors if names is None else names:
+        g = lossless_group_size(tensors[name], group_size)
+        if g != group_size:
+            out[name] = g
+    return out
+
+
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
                   damp: float = DEFAULT_GPTQ_DAMP, act_order: bool = DEFAULT_GPTQ_ACT_ORDER) -> QuantizedTensor:
     """Calibrated q4g (GPTQ, Frantar et al. 2022): the same grid and file as ``quantize``, other codes.
