@@ -46,25 +46,27 @@ def write_prompts(path: Path) -> Path:
     return path
 
 
-def _time_forward(model, n: int, context: int, repeats: int, clock: str = "cpu", lean: bool = False) -> float:
-    """Median time of one forward of n tokens on a cache of ``context``: the model's own forward, or with
-    ``lean`` a decode step as the speculative draft runs it (``CachedDraftModel``: specdraft.lean)."""
+def _time_forward(model, n: int, context: int, repeats: int, clock: str = "cpu", forward: str = "model") -> float:
+    """Median time of one forward of n tokens on a cache of ``context``: the model's own forward, or a decode
+    step as the speculative draft runs it (``CachedDraftModel``: ``forward`` "lean" = specdraft.lean,
+    "compiled" = its torch.compile'd steps)."""
     from specdraft.speculate import CachedDraftModel, _crop_to, _forward
 
-    drafter = CachedDraftModel(model, lean=lean)
+    drafter = CachedDraftModel(model, lean=forward != "model", compile=forward == "compiled")
     cache = drafter.cache
     with torch.inference_mode():
         _forward(model, list(range(100, 100 + context)), cache, 0, logits_to_keep=1)
         keep = 1 if n == 1 else 0  # a decode step keeps the last logits; a verify pass needs all
 
         def run() -> None:
-            if lean:
+            if forward != "model":
                 drafter._forward([5] * n, context)
             else:
                 _forward(model, [5] * n, cache, context, logits_to_keep=keep)
 
-        run()  # warm
-        _crop_to(cache, context)
+        for _ in range(2):  # warm (and compile: a fresh cache, then one that crop left as views)
+            run()
+            _crop_to(cache, context)
         now = time.process_time if clock == "cpu" else time.perf_counter
         times = []
         for _ in range(repeats):
@@ -76,10 +78,11 @@ def _time_forward(model, n: int, context: int, repeats: int, clock: str = "cpu",
 
 
 def cost_model(target, drafts: dict, ks: list[int], context: int = 96, repeats: int = 7, clock: str = "cpu") -> dict:
-    """``drafts``: name -> (model, lean)."""
+    """``drafts``: name -> (model, forward: "model" | "lean" | "compiled")."""
     t1 = _time_forward(target, 1, context, repeats, clock)
     verify = {k: _time_forward(target, k + 1, context, repeats, clock) for k in ks}
-    draft_step = {name: _time_forward(m, 1, context, repeats, clock, lean) for name, (m, lean) in drafts.items()}
+    draft_step = {name: _time_forward(m, 1, context, repeats, clock, forward)
+                  for name, (m, forward) in drafts.items()}
     rows = []
     for name, d in draft_step.items():
         for k in ks:
@@ -112,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                          "speculate's, 0.4; 0: always k)")
     ap.add_argument("--draft-lean", choices=["on", "off", "both"], default="on",
                     help="draft decode through specdraft.lean, transformers' forward, or both side by side")
+    ap.add_argument("--draft-compile", choices=["on", "off", "both"], default="on",
+                    help="lean draft steps through torch.compile, eagerly, or both side by side")
     ap.add_argument("--cost-model-computes", default="float32,int4",
                     help="draft compute formats timed in the cost model (comma separated)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="cpu",
@@ -148,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         drafts = {}
         for compute in [c for c in args.cost_model_computes.split(",") if c]:
             model, _ = load_draft_model(draft, compute)
-            drafts[f"draft/{compute}"] = (model, True)  # as the speculative draft runs it (specdraft.lean)
-            drafts[f"draft/{compute}/hf"] = (model, False)  # through transformers' forward
+            drafts[f"draft/{compute}"] = (model, "compiled")  # as the speculative draft runs it by default
+            drafts[f"draft/{compute}/eager"] = (model, "lean")  # specdraft.lean without torch.compile
+            drafts[f"draft/{compute}/hf"] = (model, "model")  # through transformers' forward
         cm = cost_model(target, drafts, ks, clock=args.clock)
         cm["threads"] = torch.get_num_threads()
         cm["note"] = note
@@ -167,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = SpeculateConfig(target=target_spec, draft=draft, prompts=prompts, out=out,
                               max_new_tokens=args.max_new_tokens, k=ks, num_prompts=args.num_prompts,
                               draft_cache=args.draft_cache, draft_compute=args.draft_compute, threads=args.threads,
-                              draft_lean=args.draft_lean,
+                              draft_lean=args.draft_lean, draft_compile=args.draft_compile,
                               **({} if args.draft_confidence is None else {"draft_confidence": args.draft_confidence}),
                               note=note or None, clock=args.clock,
                               hybrid_min_ngram=args.hybrid_min_ngram or None)

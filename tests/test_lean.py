@@ -96,7 +96,7 @@ def test_int4_draft_batch_and_cached_draft_equal_with_and_without_lean(packed_di
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     assert rows.count(qkv) == 5 * layers  # 5 steps after the prefill (whose linears run dense)
     assert all(isinstance(m, Int4Linear) for m in (model.model.layers[0].self_attn.q_proj, model.lm_head))
-    assert len(lean_forward(model).layers[0].qkv.calls) == 1
+    assert len(lean_forward(model).layers[0].qkv) == 1
     # The speculative draft with its kept cache: the same proposals either way, over catch-ups and rewinds.
     rng = random.Random(7)
     with_lean, without = CachedDraftModel(model), CachedDraftModel(model, lean=False)
@@ -144,7 +144,7 @@ def test_int4_projections_are_fused_only_where_the_concatenated_codes_compute_th
 
     run_pack(PackConfig(checkpoint=str(tiny_qwen3_dir), out=str(tmp_path / "model")))
     model = load_engine(tmp_path / "model", None, "int4").model
-    assert len(lean_forward(model).layers[0].qkv.calls) == 3
+    assert len(lean_forward(model).layers[0].qkv) == 3
     _lean_equals_forward_on_a_kept_cache(model)
 
 
@@ -224,6 +224,83 @@ def test_lean_logits_equal_the_model_forward_for_qwen2_with_qkv_bias():
     wide = Qwen2ForCausalLM(Qwen2Config(**{**config.to_dict(), "hidden_size": 128, "num_attention_heads": 2,
                                            "num_key_value_heads": 1})).eval()
     apply_compute(wide, "int4")
-    (fused,) = lean_forward(wide).layers[0].qkv.calls
-    assert fused.bias is not None
+    (fused,) = lean_forward(wide).layers[0].qkv
+    packed, group_size, scales_and_zeros, sizes, bias = fused  # one _int4_matmul call: q, k, v and their biases
+    assert sizes == (128, 64, 64) and bias is not None and bias.shape == (256,)
     _lean_equals_forward_on_a_kept_cache(wide)
+
+
+def test_compiled_draft_steps_stay_close_to_eager_and_keep_speculation_lossless(packed_dir):
+    """torch.compile'd decode steps (CompiledSteps): the compiled graph runs the one-token steps (catch-ups
+    stay eager), logits within rounding of the eager forward, and speculation with it equals plain greedy."""
+    from specdraft.lean import CompiledSteps
+    from specdraft.server.engine import load_engine
+    from specdraft.speculate import speculative_generate
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # other tests' compiled drafts must not use up dynamo's per-function recompile limit
+    graphs = counters["stats"]["unique_graphs"]
+    model = load_engine(packed_dir, None, "int4").model
+    compiled, eager = CachedDraftModel(model, compile=True), CachedDraftModel(model)
+    assert isinstance(compiled.lean, CompiledSteps) and compiled.compiled and not eager.compiled
+    assert lean_forward(model, compile=True) is compiled.lean  # built once per model, like the eager one
+    (ctx,) = _prompts(model.config.vocab_size, [11], seed=5)
+    rng = random.Random(3)
+    for _ in range(8):  # steps on a fresh cache and on one that a rewind cropped, catch-ups of several tokens
+        compiled.propose(ctx, 4)
+        eager.propose(ctx, 4)
+        n = len(compiled.tokens)
+        assert compiled.tokens == eager.tokens
+        with torch.inference_mode():
+            got = compiled._forward([7], n)
+            want = eager._forward([7], n)
+        compiled.tokens.append(7)
+        eager.tokens.append(7)
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+        ctx = ctx[: rng.randrange(2, len(ctx))] if rng.random() < 0.3 else ctx + [rng.randrange(3, 200)] * 3
+    steps = compiled.lean
+    assert steps.error is None and steps.calls["compiled"] >= 8 and steps.calls["eager"] > 0
+    assert counters["stats"]["unique_graphs"] > graphs  # dynamo captured graphs: the steps did run compiled
+    # lossless: the target (here the float model the pack came from) verifies every drafted token
+    from specdraft.pack import load_packed_model
+
+    target, _ = load_packed_model(packed_dir)
+    prompt = _prompts(model.config.vocab_size, [6], seed=8)[0]
+    want = naive_greedy(target, prompt, 24, stop_at_eos=False).tokens
+    assert speculative_generate(target, compiled, prompt, 24, 3, eos_ids=set()).tokens == want
+
+
+def test_a_failed_compile_falls_back_to_eager_steps_and_loses_nothing(packed_dir, monkeypatch, caplog):
+    """No C++ compiler (simulated: the compiled step raises after the first layer wrote its cache): the step
+    is answered eagerly with exactly the eager logits, the cache holds each position once, later steps run
+    eagerly, and the error is kept."""
+    import specdraft.lean as lean_module
+    from specdraft.server.engine import load_engine
+
+    model = load_engine(packed_dir, None, "int4").model
+
+    def broken_compile(fn):
+        def run(input_ids, position_ids, mask, cache, logits_to_keep):
+            k = torch.zeros(1, model.config.num_key_value_heads, 1, model.config.head_dim)
+            cache.update(k, k, 0)  # a partly run graph's write
+            raise RuntimeError("InductorError: no working C++ compiler found\nmore detail")
+        return run
+
+    monkeypatch.setattr(lean_module.torch, "compile", broken_compile)
+    steps = lean_module.CompiledSteps(LeanForward(model))
+    (ctx,) = _prompts(model.config.vocab_size, [9], seed=2)
+    caches = [DynamicCache(config=model.config) for _ in range(2)]
+    for cache in caches:
+        _forward(model, ctx, cache, 0, logits_to_keep=1)
+    reference = LeanForward(model)
+    with caplog.at_level("WARNING", logger="specdraft.lean"):
+        for n in range(len(ctx), len(ctx) + 3):
+            args = (torch.tensor([[5]]), torch.tensor([[n]]), None)
+            assert torch.equal(steps(*args, caches[0]), reference(*args, caches[1]))
+            assert caches[0].get_seq_length() == caches[1].get_seq_length() == n + 1
+            assert all(layer.keys.shape == other.keys.shape and torch.equal(layer.keys, other.keys)
+                       for layer, other in zip(caches[0].layers, caches[1].layers))
+    assert steps.error == "RuntimeError: InductorError: no working C++ compiler found"
+    assert steps.calls == {"compiled": 0, "eager": 3}
+    assert "running it eagerly" in caplog.text

@@ -202,6 +202,7 @@ def test_run_speculate_report_matches_recomputation(tmp_path, tiny_qwen3_dir, ti
 
     target, _ = models
     out = tmp_path / "out"
+    torch._dynamo.reset()  # the report's compiled draft and the recomputation's: within the recompile limit
     cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts=_prompt_file(tmp_path),
                           out=out, max_new_tokens=12, k=[1, 3], warmup=False)
     assert run_speculate(cfg) == 0
@@ -210,12 +211,13 @@ def test_run_speculate_report_matches_recomputation(tmp_path, tiny_qwen3_dir, ti
     assert set(report["drafters"]) == {"draft", "draft+lookup", "lookup"}
     assert report["provenance"]["drafters"]["draft"]["compute"] == "int4"  # the default, as the server runs it
     assert report["provenance"]["drafters"]["draft"]["min_confidence"] == cfg.draft_confidence == 0.4
+    assert report["provenance"]["drafters"]["draft"]["compile"] is True and report["compile_errors"] == {}
     # accepted tokens per step recomputed independently from the same prompts
     tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
     prompts = load_prompts(cfg.prompts, tok)
     int4_draft, _ = load_draft_model(tiny_llama_dir, "int4")
     for k in (1, 3):
-        drafter = CachedDraftModel(int4_draft, min_confidence=cfg.draft_confidence)
+        drafter = CachedDraftModel(int4_draft, min_confidence=cfg.draft_confidence, compile=True)
         gens = [speculative_generate(target, drafter, p.ids, 12, k) for p in prompts]
         row = report["drafters"]["draft"]["per_k"][str(k)]
         assert row["accepted_per_step"] == pytest.approx(sum(g.accepted for g in gens) / sum(g.steps for g in gens))
@@ -223,7 +225,8 @@ def test_run_speculate_report_matches_recomputation(tmp_path, tiny_qwen3_dir, ti
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / report["baseline"]["tokens_per_s"])
         assert row["tokens_per_s"] == row["tokens_per_s_wall"] and row["tokens_per_s_cpu"] > 0  # clock: wall
         # the hybrid: same draft behind lookup, in its own proposer (own cache)
-        hybrid = HybridProposer(CachedDraftModel(int4_draft, min_confidence=cfg.draft_confidence), cfg.hybrid_min_ngram)
+        hybrid = HybridProposer(CachedDraftModel(int4_draft, min_confidence=cfg.draft_confidence, compile=True),
+                                cfg.hybrid_min_ngram)
         gens = [speculative_generate(target, hybrid, p.ids, 12, k) for p in prompts]
         row = report["drafters"]["draft+lookup"]["per_k"][str(k)]
         assert row["accepted_per_step"] == pytest.approx(sum(g.accepted for g in gens) / sum(g.steps for g in gens))
@@ -281,6 +284,30 @@ def test_draft_lean_on_off_and_both(tiny_qwen3_dir, tiny_llama_dir):
     ctx = [5, 9, 14, 3, 22, 7, 40, 41]
     got = by_name["both"]["draft"][0].propose(ctx, 4)
     assert len(got) == 4 and got == by_name["both"]["draft-hf"][0].propose(ctx, 4)
+
+
+def test_draft_compile_on_off_and_both(tiny_qwen3_dir, tiny_llama_dir):
+    from specdraft.lean import CompiledSteps, LeanForward
+    from specdraft.speculate import build_proposers
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    by_name = {}
+    for setting in ("on", "off", "both"):
+        cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts="p",
+                              draft_compile=setting)
+        by_name[setting] = {name: (p, src) for name, p, src in build_proposers(cfg, tok)}
+    assert SpeculateConfig(draft="lookup", prompts="p").draft_compile == "on"
+    assert isinstance(by_name["on"]["draft"][0].lean, CompiledSteps) and by_name["on"]["draft"][1]["compile"]
+    assert isinstance(by_name["off"]["draft"][0].lean, LeanForward) and not by_name["off"]["draft"][1]["compile"]
+    assert set(by_name["both"]) == {"draft", "draft-eager", "draft+lookup", "lookup"}
+    assert by_name["both"]["draft"][0].compiled and not by_name["both"]["draft-eager"][0].compiled
+    # the hybrid's own draft follows the setting
+    hybrid = {setting: by_name[setting]["draft+lookup"][0].proposer for setting in ("on", "off")}
+    assert hybrid["on"].compiled and not hybrid["off"].compiled
+    # without the lean forward there is nothing to compile
+    off = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts="p", draft_lean="off")
+    draft = {name: p for name, p, _ in build_proposers(off, tok)}["draft"]
+    assert draft.lean is None and not draft.compiled
 
 
 def test_hybrid_proposer_asks_the_model_only_where_lookup_has_nothing():

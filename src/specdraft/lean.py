@@ -4,9 +4,9 @@
 transformers' forward -- its rotary embedding, ``apply_rotary_pos_emb`` and ``sdpa_attention_forward``, RMSNorm
 as transformers writes it, the same cache ``update`` -- so its logits are bit-identical to ``model(...)``
 (tested), minus the per-call machinery around them (module and decorator wrappers, mask preparation, one bf16
-cast per linear). Two changes leave every value as it was: an input is cast to bf16 once for all the int4
-linears that read it, and the int4 q/k/v projections run as one kernel call on their concatenated codes where a
-probe shows the concatenation computes the same (the kernel packs rows in blocks).
+cast per linear). One change leaves every value as it was: the int4 q/k/v projections run as one kernel call
+(one bf16 cast of their input) on their concatenated codes where a probe shows the concatenation computes the
+same (the kernel packs rows in blocks).
 
 It runs decode steps and short cache extensions (``decode.SlotDecoder.step``, ``speculate.CachedDraftModel``);
 prefills keep the model's own forward (the dense bf16 path of int4 layers). On the 24-layer 576-wide int4
@@ -18,11 +18,14 @@ why a model cannot take it; callers then use ``model(...)``.
 from __future__ import annotations
 
 import importlib
+import logging
 import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -63,20 +66,35 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(dtype)
 
 
+def _int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
+                 sizes: tuple[int, ...], bias: torch.Tensor | None) -> list[torch.Tensor]:
+    """``_weight_int4pack_mm_for_cpu`` over x's last dim, split into the outputs of the linears whose codes
+    ``packed`` concatenates; Int4Linear's arithmetic (bf16 input, output cast back, bias added after)."""
+    lead = x.shape[:-1]
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), packed,
+                                                   group_size, scales_and_zeros).to(x.dtype)
+    y = y.reshape(*lead, y.shape[-1])
+    parts = list(y.split(list(sizes), -1)) if len(sizes) > 1 else [y]
+    if bias is not None:
+        parts = [p + b.to(x.dtype) for p, b in zip(parts, bias.split(list(sizes)))]
+    return parts
+
+
 class _Int4Call:
     """Int4 linears that read the same input (one group size, a bias on all or none) as one
     ``_weight_int4pack_mm_for_cpu`` call on their concatenated codes. Always the codes, whatever the
     module's prefill phase says: this path runs decode steps and short extensions only."""
 
     def __init__(self, modules: list[nn.Module]):
-        self.sizes = [m.out_features for m in modules]
-        self.group_size = modules[0].group_size
+        sizes = tuple(m.out_features for m in modules)
         # [N, K/2] and [K/G, N, 2]: rows of every module in turn (one module: its own tensors, no copy)
-        self.packed = modules[0].packed if len(modules) == 1 else torch.cat([m.packed for m in modules], 0)
-        self.scales_and_zeros = (modules[0].scales_and_zeros if len(modules) == 1
-                                 else torch.cat([m.scales_and_zeros for m in modules], 1))
+        packed = modules[0].packed if len(modules) == 1 else torch.cat([m.packed for m in modules], 0)
+        scales_and_zeros = (modules[0].scales_and_zeros if len(modules) == 1
+                            else torch.cat([m.scales_and_zeros for m in modules], 1))
         biases = [m.bias for m in modules]
-        self.bias = None if biases[0] is None else torch.cat(biases)
+        bias = None if biases[0] is None else torch.cat(biases)
+        # the arguments of _int4_matmul after x
+        self.args = (packed, modules[0].group_size, scales_and_zeros, sizes, bias)
 
     @staticmethod
     def can_fuse(modules: list[nn.Module]) -> bool:
@@ -90,55 +108,83 @@ class _Int4Call:
         """Whether the concatenated codes compute what the modules do one by one. The kernel packs rows in
         blocks (64 in torch 2.13), so concatenation holds only when the earlier modules end on a block
         boundary; a probe input checks it instead of assuming a layout."""
-        x = torch.randn(2, self.packed.shape[1] * 2, generator=torch.Generator().manual_seed(0))
+        packed, group_size, scales_and_zeros = self.args[:3]
+        x = torch.randn(2, packed.shape[1] * 2, generator=torch.Generator().manual_seed(0))
         x = x.to(torch.bfloat16)
         one_by_one = [torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.packed, m.group_size, m.scales_and_zeros)
                       for m in modules]
         return torch.equal(torch.cat(one_by_one, -1), torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.packed, self.group_size, self.scales_and_zeros))
-
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.packed,
-                                                       self.group_size, self.scales_and_zeros).to(x.dtype)
-        y = y.reshape(*lead, y.shape[-1])
-        parts = list(y.split(self.sizes, -1)) if len(self.sizes) > 1 else [y]
-        if self.bias is not None:  # Int4Linear adds its bias after the cast, in x's dtype
-            parts = [p + b.to(x.dtype) for p, b in zip(parts, self.bias.split(self.sizes))]
-        return parts
+            x, packed, group_size, scales_and_zeros))
 
 
 class _Projections:
     """Linear layers that read the same input: one fused int4 call when they allow it, else one call each
-    (an int4 one still on its codes; any other linear as its module)."""
+    (an int4 one still on its codes; any other linear as its module). ``calls`` is data for ``_project``:
+    a tuple of ``_int4_matmul`` argument tuples and modules."""
 
     def __init__(self, modules: list[nn.Module]):
         fused = _Int4Call(modules) if len(modules) > 1 and _Int4Call.can_fuse(modules) else None
         if fused is not None and fused.matches(modules):
-            self.calls: list[Callable] = [fused]
+            self.calls: tuple = (fused.args,)
         else:
-            self.calls = [_Int4Call([m]) if _Int4Call.can_fuse([m]) else (lambda x, m=m: [m(x)]) for m in modules]
+            self.calls = tuple(_Int4Call([m]).args if _Int4Call.can_fuse([m]) else m for m in modules)
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return [y for call in self.calls for y in call(x)]
+
+def _project(x: torch.Tensor, calls: tuple) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for call in calls:
+        if isinstance(call, nn.Module):
+            out.append(call(x))
+        else:
+            out.extend(_int4_matmul(x, *call))
+    return out
 
 
 class _Layer:
     def __init__(self, layer: nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         self.attn = attn  # sdpa_attention_forward reads num_key_value_groups / is_causal from it
-        self.ln1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
-        self.ln2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
-        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3: RMSNorm over each head's dims
-        self.k_norm = getattr(attn, "k_norm", None)
-        self.qkv = _Projections([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o = _Projections([attn.o_proj])
+        # Qwen3: RMSNorm over each head's dims
+        self.qk_norms = (None if getattr(attn, "q_norm", None) is None else
+                         (attn.q_norm.weight, attn.q_norm.variance_epsilon,
+                          attn.k_norm.weight, attn.k_norm.variance_epsilon))
         # q/k/v fused: 63 vs 89 us per layer at 576 -> 576 + 192 + 192 (packF3L, 1 thread, one microbenchmark);
         # gate/up fused measured no faster (151 vs 154 us), so they keep their own codes (fusing copies them)
-        self.gate, self.up = _Projections([mlp.gate_proj]), _Projections([mlp.up_proj])
-        self.down = _Projections([mlp.down_proj])
-        self.act = mlp.act_fn
-        self.head_dim = attn.head_dim
+        projections = [_Projections([attn.q_proj, attn.k_proj, attn.v_proj]), _Projections([attn.o_proj]),
+                       _Projections([mlp.gate_proj]), _Projections([mlp.up_proj]), _Projections([mlp.down_proj])]
+        qkv, o, gate, up, down = (p.calls for p in projections)
+        self.qkv = qkv
+        # the arguments of _pre_attention / _post_attention after the activations
+        self.pre_args = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv, self.qk_norms,
+                         attn.head_dim)
+        self.post_args = (o, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                          gate, up, down)
+
+
+def _pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rotary: Callable,
+                   ln: torch.Tensor, eps: float, qkv: tuple, qk_norms: tuple | None, head_dim: int):
+    """Input norm, q/k/v projections, (Qwen3) per-head norms, rotary: [B, heads, T, head_dim] q, k, v."""
+    b, t = x.shape[:2]
+    shape = (b, t, -1, head_dim)
+    q, k, v = _project(_rms_norm(x, ln, eps), qkv)
+    q, k = q.view(shape), k.view(shape)
+    if qk_norms is not None:
+        q, k = _rms_norm(q, qk_norms[0], qk_norms[1]), _rms_norm(k, qk_norms[2], qk_norms[3])
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(shape).transpose(1, 2)
+    q, k = apply_rotary(q, k, cos, sin)
+    return q, k, v
+
+
+def _post_attention(x: torch.Tensor, attended: torch.Tensor, o: tuple, ln: torch.Tensor, eps: float,
+                    gate: tuple, up: tuple, down: tuple) -> torch.Tensor:
+    """Output projection and residual, post-attention norm, SiLU-gated MLP and residual."""
+    b, t = x.shape[:2]
+    (out,) = _project(attended.reshape(b, t, -1).contiguous(), o)
+    x = x + out
+    h = _rms_norm(x, ln, eps)
+    (g,), (u,) = _project(h, gate), _project(h, up)
+    (d,) = _project(nn.functional.silu(g) * u, down)
+    return x + d
 
 
 class LeanForward:
@@ -172,51 +218,93 @@ class LeanForward:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                  cache: Any, logits_to_keep: int = 1,
                  key_ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        return self.forward(input_ids, position_ids, mask, cache, logits_to_keep, key_ranges)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                cache: Any, logits_to_keep: int = 1,
+                key_ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
         x = self.embed(input_ids)  # [B, T, D]
         cos, sin = self.rotary(x, position_ids=position_ids)
-        b, t = input_ids.shape
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.ln1, layer.eps1)
-            x = x + self._attention(layer, i, h, cos, sin, mask, cache, b, t, key_ranges)
-            h = _rms_norm(x, layer.ln2, layer.eps2)
-            (gate,), (up,) = layer.gate(h), layer.up(h)
-            (down,) = layer.down(layer.act(gate) * up)
-            x = x + down
+            q, k, v = _pre_attention(x, cos, sin, self.apply_rotary, *layer.pre_args)
+            k, v = cache.update(k, v, i)
+            x = _post_attention(x, self._attend(layer, q, k, v, mask, key_ranges), *layer.post_args)
         x = _rms_norm(x, self.norm, self.norm_eps)
         return self.head(x[:, -logits_to_keep:] if logits_to_keep else x)
 
-    def _attention(self, layer: _Layer, index: int, h: torch.Tensor, cos, sin, mask, cache, b: int, t: int,
-                   key_ranges: list[tuple[int, int]] | None):
-        shape = (b, t, -1, layer.head_dim)
-        q, k, v = layer.qkv(h)
-        q, k = q.view(shape), k.view(shape)
-        if layer.q_norm is not None:
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(shape).transpose(1, 2)
-        q, k = self.apply_rotary(q, k, cos, sin)
-        k, v = cache.update(k, v, index)
+    def _attend(self, layer: _Layer, q, k, v, mask, key_ranges: list[tuple[int, int]] | None) -> torch.Tensor:
         if key_ranges is None:
-            out, _ = self.attention(layer.attn, q, k, v, mask, dropout=0.0, scaling=layer.attn.scaling)
-        else:
-            out = torch.cat([self.attention(layer.attn, q[r:r + 1], k[r:r + 1, :, lo:hi], v[r:r + 1, :, lo:hi],
-                                            None if mask is None else mask[r:r + 1, ..., lo:hi], dropout=0.0,
-                                            scaling=layer.attn.scaling)[0]
-                             for r, (lo, hi) in enumerate(key_ranges)])
-        (o,) = layer.o(out.reshape(b, t, -1).contiguous())
-        return o
+            return self.attention(layer.attn, q, k, v, mask, dropout=0.0, scaling=layer.attn.scaling)[0]
+        return torch.cat([self.attention(layer.attn, q[r:r + 1], k[r:r + 1, :, lo:hi], v[r:r + 1, :, lo:hi],
+                                         None if mask is None else mask[r:r + 1, ..., lo:hi], dropout=0.0,
+                                         scaling=layer.attn.scaling)[0]
+                          for r, (lo, hi) in enumerate(key_ranges)])
 
 
-_BUILT: "weakref.WeakKeyDictionary[nn.Module, tuple[list[weakref.ref], LeanForward | None]]" = \
+class CompiledSteps:
+    """A ``LeanForward`` whose decode steps (one new token, no mask: the speculative draft's hot path) run
+    through ``torch.compile``; anything else (catch-ups of several tokens) runs it eagerly. Called like it.
+
+    Inductor fuses the norms, rotary, casts and residuals of all layers into a few C++ loops and calls the
+    int4 kernel as it is, which takes the per-step work outside the kernel down (BENCHMARKS.md). The KV
+    cache's length is marked dynamic, so one graph serves every length; a second one is compiled for a
+    cache whose tensors ``crop`` left as views (their strides differ). Compiling takes about a minute per
+    graph here, paid on the first steps (inductor's on-disk cache shortens it in later processes).
+
+    The logits are not bit-identical to the eager forward (fused reductions round differently; greedy
+    tokens rarely change), so only callers whose output is checked anyway use it: a speculative draft,
+    whose every token the target verifies -- not the server, which promises each row of a batch exactly
+    what it gets alone. If compiling fails (no C++ compiler, say), the error is logged and kept in ``error``
+    and every step runs eagerly from then on: slower, the same tokens.
+    """
+
+    def __init__(self, lean: LeanForward):
+        self.lean = lean
+        self._step: Callable | None = torch.compile(lean.forward)
+        self.error: str | None = None
+        self.calls = {"compiled": 0, "eager": 0}
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                 cache: Any, logits_to_keep: int = 1) -> torch.Tensor:
+        layers = getattr(cache, "layers", None)
+        if (self._step is None or input_ids.shape[1] != 1 or mask is not None or not layers
+                or any(getattr(layer, "keys", None) is None for layer in layers)):
+            self.calls["eager"] += 1
+            return self.lean.forward(input_ids, position_ids, mask, cache, logits_to_keep)
+        for layer in layers:  # [B, kv heads, length, head dim]: one graph for every length
+            torch._dynamo.mark_dynamic(layer.keys, 2)
+            torch._dynamo.mark_dynamic(layer.values, 2)
+        saved = [(layer.keys, layer.values) for layer in layers]  # update() replaces them (a cat), never writes
+        try:
+            logits = self._step(input_ids, position_ids, None, cache, logits_to_keep)
+            self.calls["compiled"] += 1
+            return logits
+        except Exception as e:  # a compiler failure costs speed, never the answer
+            self.error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:500]
+            self._step = None
+            log.warning("torch.compile of the draft step failed (%s); running it eagerly", self.error)
+            for layer, (keys, values) in zip(layers, saved):  # undo what layers before the failure appended
+                layer.keys, layer.values = keys, values
+            self.calls["eager"] += 1
+            return self.lean.forward(input_ids, position_ids, None, cache, logits_to_keep)
+
+
+_BUILT: "weakref.WeakKeyDictionary[nn.Module, tuple[list[weakref.ref], dict[bool, Any]]]" = \
     weakref.WeakKeyDictionary()
 
 
-def lean_forward(model: nn.Module) -> LeanForward | None:
-    """The model's ``LeanForward`` (None when ``lean_unsupported``), built once and rebuilt when any of its
-    modules has been swapped since (``server.engine.apply_compute`` replaces linears)."""
+def lean_forward(model: nn.Module, compile: bool = False) -> "LeanForward | CompiledSteps | None":
+    """The model's ``LeanForward`` (``compile``: as ``CompiledSteps``; None when ``lean_unsupported``), built
+    once per setting and rebuilt when any of the model's modules has been swapped since
+    (``server.engine.apply_compute`` replaces linears)."""
     modules = list(model.modules())
     built = _BUILT.get(model)
-    if built is not None and len(built[0]) == len(modules) and all(r() is m for r, m in zip(built[0], modules)):
-        return built[1]
-    lean = None if lean_unsupported(model) else LeanForward(model)
-    _BUILT[model] = ([weakref.ref(m) for m in modules], lean)
-    return lean
+    if built is None or len(built[0]) != len(modules) or not all(r() is m for r, m in zip(built[0], modules)):
+        built = ([weakref.ref(m) for m in modules], {})
+        _BUILT[model] = built
+    if False not in built[1]:
+        built[1][False] = None if lean_unsupported(model) else LeanForward(model)
+    if compile and True not in built[1]:
+        built[1][True] = None if built[1][False] is None else CompiledSteps(built[1][False])
+    return built[1][compile]

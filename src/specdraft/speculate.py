@@ -29,7 +29,7 @@ from pydantic import Field, field_validator
 from .config import StageConfig
 from .decode import cache_kwargs, eos_token_ids, greedy_decode
 from .drafters import DEFAULT_HYBRID_MIN_NGRAM, lookup_draft
-from .lean import lean_forward
+from .lean import CompiledSteps, lean_forward
 from .metrics import accepted_length
 from .models import DEFAULT_TARGET
 from .provenance import atomic_write_json, atomic_write_text, run_metadata, sha256_file, stage_log
@@ -64,6 +64,10 @@ class SpeculateConfig(StageConfig):
         "on", description="in-process draft model: decode through specdraft.lean (the forward written out, same "
                           "tokens) where it applies, through transformers' forward ('off'), or time both ('both' "
                           "adds 'draft-hf')")
+    draft_compile: Literal["on", "off", "both"] = Field(
+        "on", description="in-process lean draft: run its decode steps through torch.compile (inductor; faster "
+                          "steps, compiled on the first ones, about a minute per graph here; falls back to eager "
+                          "if compiling fails), eagerly ('off'), or time both ('both' adds 'draft-eager')")
     chat_template: bool = Field(True, description="wrap text prompts in the target's chat template "
                                                   "(add_generation_prompt)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="target dtype")
@@ -168,12 +172,17 @@ class CachedDraftModel:
     ``tokens`` lists the ids whose keys/values are in the cache. Each ``propose`` keeps the longest
     common prefix of ``tokens`` and the new context (the accepted part of the previous draft), crops
     the rest, feeds only the new tokens, then decodes k tokens greedily one at a time (fewer when a token's
-    probability falls below ``min_confidence``). ``lean``: through ``lean.LeanForward`` where the model allows.
+    probability falls below ``min_confidence``). ``lean``: through ``lean.LeanForward`` where the model allows;
+    ``compile``: its one-token steps through ``torch.compile`` (``lean.CompiledSteps``: faster; logits not
+    bit-identical to eager -- harmless here, the target verifies every drafted token).
     """
 
-    def __init__(self, model, name: str = "draft", lean: bool = True, min_confidence: float | None = None):
+    def __init__(self, model, name: str = "draft", lean: bool = True, min_confidence: float | None = None,
+                 compile: bool = False):
         self.model, self.name = model.eval(), name
-        self.lean = lean_forward(model) if lean else None
+        eager = lean_forward(model) if lean else None
+        self.lean = (lean_forward(model, compile=True) if compile and eager is not None else None) or eager
+        self.compiled = isinstance(self.lean, CompiledSteps)
         # Stop drafting after a token whose probability is below this (transformers' assisted generation calls
         # it assistant_confidence_threshold): its successors are unlikely to be accepted, and each costs a step.
         self.min_confidence = min_confidence
@@ -434,8 +443,13 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
         if config.draft_cache in ("keep", "both"):
             lean = config.draft_lean != "off"
             conf = config.draft_confidence
-            out.append(("draft", CachedDraftModel(model, "draft", lean=lean, min_confidence=conf),
-                        {**source, "draft_cache": "keep", "lean": lean, "min_confidence": conf}))
+            compiled = lean and config.draft_compile != "off"
+            out.append(("draft", CachedDraftModel(model, "draft", lean=lean, min_confidence=conf, compile=compiled),
+                        {**source, "draft_cache": "keep", "lean": lean, "compile": compiled, "min_confidence": conf}))
+            if compiled and config.draft_compile == "both":
+                out.append(("draft-eager", CachedDraftModel(model, "draft-eager", min_confidence=conf),
+                            {**source, "draft_cache": "keep", "lean": True, "compile": False,
+                             "min_confidence": conf}))
             if config.draft_lean == "both":
                 out.append(("draft-hf", CachedDraftModel(model, "draft-hf", lean=False, min_confidence=conf),
                             {**source, "draft_cache": "keep", "lean": False, "min_confidence": conf}))
@@ -448,7 +462,7 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
         base_name, base, base_source = out[0]
         if isinstance(base, CachedDraftModel):
             base = CachedDraftModel(base.model, base_name, lean=base.lean is not None,
-                                    min_confidence=base.min_confidence)
+                                    min_confidence=base.min_confidence, compile=base.compiled)
         out.append(("draft+lookup", HybridProposer(base, config.hybrid_min_ngram, "draft+lookup"),
                     {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "draft": base_source}))
     if config.baseline_lookup and spec != "lookup":
@@ -594,7 +608,9 @@ def speculate_markdown(report: dict[str, Any]) -> str:
              f"max {cfg['max_new_tokens']} new tokens, target dtype {cfg['dtype']}, "
              f"draft compute {cfg['draft_compute']}, torch threads {report['threads']}"
              + (f"; an in-process draft stops a step's draft after a token it gives p < {cfg['draft_confidence']}"
-                if cfg.get("draft_confidence") else "") + ".", "",
+                if cfg.get("draft_confidence") else "")
+             + ("; its decode steps compiled (torch.compile)" if cfg.get("draft_compile", "off") != "off"
+                and cfg.get("draft_lean") != "off" else "") + ".", "",
              f"Clock: **{report['clock']}** (tokens/s, speedup and best k use it; the other is in the JSON"
              + ("; CPU time = this process's CPU seconds, at 1 thread immune to other processes' load"
                 if report["clock"] == "cpu" else "") + ").", "",
@@ -621,11 +637,23 @@ def speculate_markdown(report: dict[str, Any]) -> str:
         if shares:
             lines.append(f"{name}: share of steps drafted by prompt lookup instead of the model: "
                          + ", ".join(f"k={k} {v:.0%}" for k, v in shares.items()) + ".")
+    for name, error in report.get("compile_errors", {}).items():
+        lines.append(f"{name}: torch.compile failed ({error}); its steps ran eagerly.")
     if report.get("plot"):
         lines += ["", f"![tokens/s per k]({report['plot']})"]
     if report.get("note"):
         lines += ["", report["note"]]
     return "\n".join(lines) + "\n"
+
+
+def _compile_errors(proposers: list[tuple[str, Any, dict]]) -> dict[str, str]:
+    """{drafter: why torch.compile failed} for compiled drafts that fell back to eager steps."""
+    errors = {}
+    for name, prop, _ in proposers:
+        steps = getattr(getattr(prop, "proposer", prop), "lean", None)
+        if isinstance(steps, CompiledSteps) and steps.error:
+            errors[name] = steps.error
+    return errors
 
 
 def run_speculate(config: SpeculateConfig) -> int:
@@ -657,7 +685,8 @@ def run_speculate(config: SpeculateConfig) -> int:
                 if closer:
                     closer()
         report: dict[str, Any] = {"config": config.to_json_dict(), "note": config.note, "prompts": len(prompts),
-                                  "threads": torch.get_num_threads(), **result}
+                                  "threads": torch.get_num_threads(), **result,
+                                  "compile_errors": _compile_errors(proposers)}
         report["plot"] = plots.plot_throughput_by_k(
             {name: {int(k): row["tokens_per_s"] for k, row in res["per_k"].items()}
              for name, res in result["drafters"].items()},
