@@ -334,3 +334,24 @@ def test_hybrid_proposer_asks_the_model_only_where_lookup_has_nothing():
     assert rec.calls == [once] and hybrid.model_steps == 1
     hybrid.reset()
     assert rec.resets == 1
+
+
+def test_run_speculate_reports_a_failed_compile_and_stays_lossless(tmp_path, tiny_qwen3_dir, tiny_llama_dir,
+                                                                   monkeypatch):
+    import specdraft.lean as lean_module
+
+    def broken_compile(fn):
+        def run(*args, **kwargs):
+            raise RuntimeError("InductorError: no working C++ compiler found")
+        return run
+
+    monkeypatch.setattr(lean_module.torch, "compile", broken_compile)
+    out = tmp_path / "out"
+    cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts=_prompt_file(tmp_path),
+                          out=out, max_new_tokens=8, k=[2], warmup=False)
+    assert run_speculate(cfg) == 0
+    report = json.loads((out / "speculate.json").read_text())
+    assert report["lossless"]
+    why = "RuntimeError: InductorError: no working C++ compiler found"
+    assert report["compile_errors"] == {"draft": why, "draft+lookup": why}  # one compiled forward, shared
+    assert f"draft: torch.compile failed ({why}); its steps ran eagerly." in (out / "speculate.md").read_text()

@@ -249,8 +249,8 @@ class CompiledSteps:
     Inductor fuses the norms, rotary, casts and residuals of all layers into a few C++ loops and calls the
     int4 kernel as it is, which takes the per-step work outside the kernel down (BENCHMARKS.md). The KV
     cache's length is marked dynamic, so one graph serves every length; a second one is compiled for a
-    cache whose tensors ``crop`` left as views (their strides differ). Compiling takes about a minute per
-    graph here, paid on the first steps (inductor's on-disk cache shortens it in later processes).
+    cache whose tensors ``crop`` left as views (their strides differ). Compiling both takes a minute or two
+    here with an empty inductor cache (the demo: ~95 s), seconds with a warm one, paid on the first steps.
 
     The logits are not bit-identical to the eager forward (fused reductions round differently; greedy
     tokens rarely change), so only callers whose output is checked anyway use it: a speculative draft,

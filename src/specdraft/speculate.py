@@ -65,9 +65,10 @@ class SpeculateConfig(StageConfig):
                           "tokens) where it applies, through transformers' forward ('off'), or time both ('both' "
                           "adds 'draft-hf')")
     draft_compile: Literal["on", "off", "both"] = Field(
-        "on", description="in-process lean draft: run its decode steps through torch.compile (inductor; faster "
-                          "steps, compiled on the first ones, about a minute per graph here; falls back to eager "
-                          "if compiling fails), eagerly ('off'), or time both ('both' adds 'draft-eager')")
+        "on", description="in-process lean draft: run its one-token steps through torch.compile (inductor; "
+                          "faster steps; compiled during the first ones, a minute or two here with an empty "
+                          "inductor cache; eager if compiling fails), eagerly ('off'), or time both ('both' adds "
+                          "'draft-eager')")
     chat_template: bool = Field(True, description="wrap text prompts in the target's chat template "
                                                   "(add_generation_prompt)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="target dtype")
