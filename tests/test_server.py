@@ -628,15 +628,16 @@ def test_queue_full_is_503_with_retry_after_not_a_hang():
         assert [h.result().status_code for h in held] == [200, 200]
 
 
-def test_heap_is_trimmed_after_every_step_also_a_failed_one(monkeypatch):
+def test_heap_is_trimmed_once_loaded_and_after_every_step_also_a_failed_one(monkeypatch):
     import specdraft.server.engine as engine_mod
     trims = []
     monkeypatch.setattr(engine_mod, "heap_trimmer", lambda: lambda: trims.append(1))
     engine = FakeEngine(fail_when=lambda c: c == [13])
-    for trim_heap, expected in ((True, 2), (False, 0)):
+    for trim_heap, expected in ((True, 3), (False, 0)):
         trims.clear()
         cfg = fake_config(max_wait_ms=0, trim_heap=trim_heap)
         with ThreadServer(create_app(cfg, engine), cfg) as srv:
+            assert len(trims) == (1 if trim_heap else 0)  # what loading freed, before any request
             assert httpx.post(srv.url + "/draft", json={"token_ids": [1, 2], "num_tokens": 2}).status_code == 200
             assert httpx.post(srv.url + "/draft", json={"token_ids": [13]}).status_code == 500
         assert len(trims) == expected
