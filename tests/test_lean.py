@@ -233,11 +233,12 @@ def test_lean_logits_equal_the_model_forward_for_qwen2_with_qkv_bias():
 def test_compiled_draft_steps_stay_close_to_eager_and_keep_speculation_lossless(packed_dir):
     """torch.compile'd decode steps (CompiledSteps): the compiled graph runs the one-token steps (catch-ups
     stay eager), logits within rounding of the eager forward, and speculation with it equals plain greedy."""
+    from torch._dynamo.utils import counters
+
     from specdraft.lean import CompiledSteps
+    from specdraft.pack import load_packed_model
     from specdraft.server.engine import load_engine
     from specdraft.speculate import speculative_generate
-
-    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # other tests' compiled drafts must not use up dynamo's per-function recompile limit
     graphs = counters["stats"]["unique_graphs"]
@@ -263,8 +264,6 @@ def test_compiled_draft_steps_stay_close_to_eager_and_keep_speculation_lossless(
     assert steps.error is None and steps.calls["compiled"] >= 8 and steps.calls["eager"] > 0
     assert counters["stats"]["unique_graphs"] > graphs  # dynamo captured graphs: the steps did run compiled
     # lossless: the target (here the float model the pack came from) verifies every drafted token
-    from specdraft.pack import load_packed_model
-
     target, _ = load_packed_model(packed_dir)
     prompt = _prompts(model.config.vocab_size, [6], seed=8)[0]
     want = naive_greedy(target, prompt, 24, stop_at_eos=False).tokens
