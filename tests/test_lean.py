@@ -230,7 +230,7 @@ def test_lean_logits_equal_the_model_forward_for_qwen2_with_qkv_bias():
     _lean_equals_forward_on_a_kept_cache(wide)
 
 
-def test_compiled_draft_steps_stay_close_to_eager_and_keep_speculation_lossless(packed_dir):
+def test_compiled_draft_steps_stay_close_to_eager_and_keep_speculation_lossless(packed_dir, caplog):
     """torch.compile'd decode steps (CompiledSteps): the compiled graph runs the one-token steps (catch-ups
     stay eager), logits within rounding of the eager forward, and speculation with it equals plain greedy."""
     from torch._dynamo.utils import counters
@@ -248,6 +248,7 @@ def test_compiled_draft_steps_stay_close_to_eager_and_keep_speculation_lossless(
     assert lean_forward(model, compile=True) is compiled.lean  # built once per model, like the eager one
     (ctx,) = _prompts(model.config.vocab_size, [11], seed=5)
     rng = random.Random(3)
+    caplog.set_level("INFO", logger="specdraft.lean")
     for _ in range(8):  # steps on a fresh cache and on one that a rewind cropped, catch-ups of several tokens
         compiled.propose(ctx, 4)
         eager.propose(ctx, 4)
@@ -263,6 +264,7 @@ def test_compiled_draft_steps_stay_close_to_eager_and_keep_speculation_lossless(
     steps = compiled.lean
     assert steps.error is None and steps.calls["compiled"] >= 8 and steps.calls["eager"] > 0
     assert counters["stats"]["unique_graphs"] > graphs  # dynamo captured graphs: the steps did run compiled
+    assert caplog.text.count("draft decode step compiled in") == 1  # the wait is announced and timed once
     # lossless: the target (here the float model the pack came from) verifies every drafted token
     target, _ = load_packed_model(packed_dir)
     prompt = _prompts(model.config.vocab_size, [6], seed=8)[0]

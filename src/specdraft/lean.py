@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 import weakref
 from typing import Any, Callable
 
@@ -277,9 +278,16 @@ class CompiledSteps:
             torch._dynamo.mark_dynamic(layer.keys, 2)
             torch._dynamo.mark_dynamic(layer.values, 2)
         saved = [(layer.keys, layer.values) for layer in layers]  # update() replaces them (a cat), never writes
+        first = self.calls["compiled"] == 0
+        if first:  # otherwise a silent minute
+            log.info("compiling the draft's decode step (torch.compile; a minute or two with an empty inductor "
+                     "cache, seconds with a warm one)")
+        started = time.perf_counter()
         try:
             logits = self._step(input_ids, position_ids, None, cache, logits_to_keep)
             self.calls["compiled"] += 1
+            if first:
+                log.info("draft decode step compiled in %.1f s", time.perf_counter() - started)
             return logits
         except Exception as e:  # a compiler failure costs speed, never the answer
             self.error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:500]
