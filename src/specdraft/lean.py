@@ -119,17 +119,14 @@ class _Int4Call:
             x, packed, group_size, scales_and_zeros))
 
 
-class _Projections:
-    """Linear layers that read the same input: one fused int4 call when they allow it, else one call each
-    (an int4 one still on its codes; any other linear as its module). ``calls`` is data for ``_project``:
-    a tuple of ``_int4_matmul`` argument tuples and modules."""
-
-    def __init__(self, modules: list[nn.Module]):
-        fused = _Int4Call(modules) if len(modules) > 1 and _Int4Call.can_fuse(modules) else None
-        if fused is not None and fused.matches(modules):
-            self.calls: tuple = (fused.args,)
-        else:
-            self.calls = tuple(_Int4Call([m]).args if _Int4Call.can_fuse([m]) else m for m in modules)
+def _projection_calls(modules: list[nn.Module]) -> tuple:
+    """Linear layers that read the same input, as data for ``_project``: one fused int4 call when they allow
+    it, else one call each (an int4 one still on its codes, as ``_int4_matmul`` arguments; any other linear as
+    its module)."""
+    fused = _Int4Call(modules) if len(modules) > 1 and _Int4Call.can_fuse(modules) else None
+    if fused is not None and fused.matches(modules):
+        return (fused.args,)
+    return tuple(_Int4Call([m]).args if _Int4Call.can_fuse([m]) else m for m in modules)
 
 
 def _project(x: torch.Tensor, calls: tuple) -> list[torch.Tensor]:
@@ -147,17 +144,15 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         self.attn = attn  # sdpa_attention_forward reads num_key_value_groups / is_causal from it
         # Qwen3: RMSNorm over each head's dims
-        self.qk_norms = (None if getattr(attn, "q_norm", None) is None else
-                         (attn.q_norm.weight, attn.q_norm.variance_epsilon,
-                          attn.k_norm.weight, attn.k_norm.variance_epsilon))
+        qk_norms = (None if getattr(attn, "q_norm", None) is None else
+                    (attn.q_norm.weight, attn.q_norm.variance_epsilon,
+                     attn.k_norm.weight, attn.k_norm.variance_epsilon))
         # q/k/v fused: 63 vs 89 us per layer at 576 -> 576 + 192 + 192 (packF3L, 1 thread, one microbenchmark);
         # gate/up fused measured no faster (151 vs 154 us), so they keep their own codes (fusing copies them)
-        projections = [_Projections([attn.q_proj, attn.k_proj, attn.v_proj]), _Projections([attn.o_proj]),
-                       _Projections([mlp.gate_proj]), _Projections([mlp.up_proj]), _Projections([mlp.down_proj])]
-        qkv, o, gate, up, down = (p.calls for p in projections)
-        self.qkv = qkv
+        self.qkv = _projection_calls([attn.q_proj, attn.k_proj, attn.v_proj])
+        o, gate, up, down = (_projection_calls([m]) for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         # the arguments of _pre_attention / _post_attention after the activations
-        self.pre_args = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv, self.qk_norms,
+        self.pre_args = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, self.qkv, qk_norms,
                          attn.head_dim)
         self.post_args = (o, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                           gate, up, down)

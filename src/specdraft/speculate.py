@@ -181,8 +181,7 @@ class CachedDraftModel:
     def __init__(self, model, name: str = "draft", lean: bool = True, min_confidence: float | None = None,
                  compile: bool = False):
         self.model, self.name = model.eval(), name
-        eager = lean_forward(model) if lean else None
-        self.lean = (lean_forward(model, compile=True) if compile and eager is not None else None) or eager
+        self.lean = lean_forward(model, compile=compile) if lean else None
         self.compiled = isinstance(self.lean, CompiledSteps)
         # Stop drafting after a token whose probability is below this (transformers' assisted generation calls
         # it assistant_confidence_threshold): its successors are unlikely to be accepted, and each costs a step.
@@ -442,18 +441,18 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
         model, source = load_draft_model(draft_dir, config.draft_compute)
         source = {"kind": "in-process", **source}
         if config.draft_cache in ("keep", "both"):
+            def kept_cache(name: str, lean: bool, compile: bool) -> tuple[str, Any, dict]:
+                conf = config.draft_confidence
+                return (name, CachedDraftModel(model, name, lean=lean, min_confidence=conf, compile=compile),
+                        {**source, "draft_cache": "keep", "lean": lean, "compile": compile, "min_confidence": conf})
+
             lean = config.draft_lean != "off"
-            conf = config.draft_confidence
             compiled = lean and config.draft_compile != "off"
-            out.append(("draft", CachedDraftModel(model, "draft", lean=lean, min_confidence=conf, compile=compiled),
-                        {**source, "draft_cache": "keep", "lean": lean, "compile": compiled, "min_confidence": conf}))
+            out.append(kept_cache("draft", lean, compiled))
             if compiled and config.draft_compile == "both":
-                out.append(("draft-eager", CachedDraftModel(model, "draft-eager", min_confidence=conf),
-                            {**source, "draft_cache": "keep", "lean": True, "compile": False,
-                             "min_confidence": conf}))
+                out.append(kept_cache("draft-eager", True, False))
             if config.draft_lean == "both":
-                out.append(("draft-hf", CachedDraftModel(model, "draft-hf", lean=False, min_confidence=conf),
-                            {**source, "draft_cache": "keep", "lean": False, "min_confidence": conf}))
+                out.append(kept_cache("draft-hf", False, False))
         if config.draft_cache in ("reprefill", "both"):
             name = "draft-reprefill" if config.draft_cache == "both" else "draft"
             out.append((name, DrafterProposer(ModelDrafter(model, name=name, max_batch_size=1), name),
