@@ -56,8 +56,8 @@ def apply_variant(model, variant: str, calibration: str | None, lossless_grids: 
     embedding = qd4.embedding_name(model)
     if name == "float":
         return {}
-    group_sizes = qd4.lossless_group_sizes(stored, GROUP_SIZE, [n for n, t in stored.items() if t.dim() == 2]
-                                           ) if lossless_grids else {}
+    # lossless_group_size keeps non-2-D tensors (norms) at GROUP_SIZE, so they never appear here
+    group_sizes = qd4.lossless_group_sizes(stored, GROUP_SIZE) if lossless_grids else {}
     if name in ("minmax", "minmax-embedding"):
         for n, t in stored.items():
             if t.dim() == 2 and (name == "minmax" or n == embedding):
