@@ -743,6 +743,32 @@ def test_int4_keeps_an_embedding_stored_raw_in_bf16(tiny_qwen3_dir, tmp_path):
     assert engine.load_info["from_codes"] == 14 and engine.load_info["quantised_at_load"] == 0
 
 
+def test_bf16_linear_takes_a_last_position_slice_as_one_matmul():
+    """x[:, -1:] of a longer hidden state (a catch-up's last position) has an odd stride on its size-1 dim;
+    linear on it as 3-D bf16 ran a batched matmul that copied the whole weight transposed per call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from specdraft.server.engine import BF16Linear
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    lin = BF16Linear(torch.randn(96, 32), torch.randn(96))
+    x = torch.randn(1, 3, 32)[:, -1:]
+    assert x.stride() == (96, 32, 1)
+    with Ops() as ops:
+        y = lin(x)
+    assert "aten.bmm" not in ops.seen and ("aten.mm" in ops.seen or "aten.addmm" in ops.seen), ops.seen
+    expected = torch.nn.functional.linear(x.contiguous().bfloat16(), lin.weight).float() + lin.bias
+    assert y.shape == (1, 1, 96) and torch.equal(y, expected)
+
+
 def test_int4_runs_each_tensor_at_its_own_group_size(tmp_path):
     """A pack with layers kept on their finer G=32 grid: every linear still runs on its own codes, at its G."""
     from transformers import AutoModelForCausalLM
