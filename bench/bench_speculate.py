@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                          "shared machine; both are recorded)")
     ap.add_argument("--hybrid-min-ngram", type=int, default=2,
                     help="also run the draft behind prompt lookup (lookup where the last N+ tokens recur); 0: off")
+    ap.add_argument("--also-draft", action="append", default=[], metavar="NAME=DIR",
+                    help="another draft model dir timed in the same speculation run (repeatable)")
     ap.add_argument("--skip-cost-model", action="store_true")
     ap.add_argument("--skip-speculate", action="store_true")
     args = ap.parse_args(argv)
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                               draft_lean=args.draft_lean, draft_compile=args.draft_compile,
                               **({} if args.draft_confidence is None else {"draft_confidence": args.draft_confidence}),
                               note=note or None, clock=args.clock,
-                              hybrid_min_ngram=args.hybrid_min_ngram or None)
+                              hybrid_min_ngram=args.hybrid_min_ngram or None, also_draft=args.also_draft)
         return run_speculate(cfg)
     return 0
 

@@ -325,6 +325,25 @@ def test_recorded_group_sizes_are_checked_against_the_file(run):
                                                                      "field": "group_sizes"}
 
 
+def test_self_draft_is_checked_against_its_records_and_the_target(run, tiny_qwen3_dir, tiny_llama_dir):
+    """RUN_DIR/model_self (the demo's self-draft): its file against its records, its source against the target."""
+    assert main(["pack", "--checkpoint", str(tiny_qwen3_dir), "--out", str(run / "model_self"),
+                 "--embedding-encoding", "f16"]) == 0
+    report = _audit(run, greedy_check=0)
+    assert report.passed, [(f.check, f.message) for f in report.failed]
+    assert [f.status for f in report.findings if f.check.startswith("self-draft")] == ["pass"] * 3
+    weight = run / "model_self" / "draft.qd4"
+    data = bytearray(weight.read_bytes())
+    data[-1] ^= 0x01
+    weight.write_bytes(bytes(data))
+    fails = _failed(_audit(run, greedy_check=0))
+    bad = fails["self-draft weight file"]  # its sha256 against both records, and the file's own checksum
+    assert len(bad) == 3 and "checksum mismatch" in bad[-1].message, [f.message for f in bad]
+    assert main(["pack", "--checkpoint", str(tiny_llama_dir), "--out", str(run / "model_self"), "--overwrite"]) == 0
+    (bad,) = _failed(_audit(run, greedy_check=0))["self-draft source"]  # packed from another model
+    assert bad.cites[0] == {"file": "model_self/pack_recipe.json", "field": "source.weights_sha256"}
+
+
 def test_stray_file_in_the_model_dir(run):
     (run / "model" / "notes.txt").write_text("not a model file")
     assert main(["audit", str(run), "--greedy-check", "0", "--no-serve-check"]) == 1  # the CLI's exit code
@@ -347,12 +366,12 @@ def test_demo_ends_with_the_audit_and_fails_with_it(tmp_path, monkeypatch, audit
     monkeypatch.setattr(audit, "run_audit", lambda cfg: calls.append(f"audit {cfg.run_dir}") or audit_exit)
     run = tmp_path / "demo"
     for name in ("eval/init/report.json", "eval/lookup/report.json", "eval/trained/report.json",
-                 "eval/trained_lookup/report.json",
+                 "eval/trained_lookup/report.json", "eval/self/report.json", "model_self/architecture.json",
                  "speculate/speculate.json", "model/architecture.json"):  # what the stubbed stages would write
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text("{}")
     rc = demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(tmp_path / "eval.jsonl")))
-    assert calls[-3:] == ["speculate", "selfcheck", f"audit {run}"]
+    assert calls[-3:] == ["speculate", "selfcheck", f"audit {run}"] and "pack_self" in calls and "eval_self" in calls
     assert rc == audit_exit and json.loads((run / "demo_summary.json").read_text())["audit_exit"] == audit_exit
 
 

@@ -305,3 +305,35 @@ def test_a_failed_compile_falls_back_to_eager_steps_and_loses_nothing(packed_dir
     assert steps.error == "RuntimeError: InductorError: no working C++ compiler found"
     assert steps.calls == {"compiled": 0, "eager": 3}
     assert "running it eagerly" in caplog.text
+
+
+def test_the_first_compiled_step_compiles_the_cropped_cache_graph_too(packed_dir):
+    """A rewind leaves the cache's tensors as views, which needs its own graph; CompiledSteps compiles it at
+    the first step on a scratch copy (the caller's cache untouched), so no later step waits for a compile.
+    Under inference_mode throughout, as a draft runs (tensors made outside it would be guarded apart)."""
+    from torch._dynamo.utils import counters
+
+    from specdraft.lean import CompiledSteps
+    from specdraft.server.engine import load_engine
+
+    torch._dynamo.reset()
+    model = load_engine(packed_dir, None, "int4").model
+    steps = CompiledSteps(LeanForward(model))
+    (ctx,) = _prompts(model.config.vocab_size, [9], seed=4)
+    cache, reference = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    n = len(ctx)
+    with torch.inference_mode():
+        for c in (cache, reference):
+            _forward(model, ctx, c, 0, logits_to_keep=1)
+        steps(torch.tensor([[5]]), torch.tensor([[n]]), None, cache)
+        _forward(model, [5], reference, n, logits_to_keep=1)
+    assert cache.get_seq_length() == n + 1  # the scratch copy's crop did not reach the caller's cache
+    for a, b in zip(cache.layers, reference.layers):  # the new position's keys within the compiled rounding
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-3, atol=1e-3)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 2
+    cache.crop(-3)  # a rewind: views
+    with torch.inference_mode():
+        for i in range(3):
+            steps(torch.tensor([[6]]), torch.tensor([[n - 2 + i]]), None, cache)
+    assert counters["stats"]["unique_graphs"] == graphs and steps.calls == {"compiled": 4, "eager": 0}

@@ -355,3 +355,34 @@ def test_run_speculate_reports_a_failed_compile_and_stays_lossless(tmp_path, tin
     why = "RuntimeError: InductorError: no working C++ compiler found"
     assert report["compile_errors"] == {"draft": why, "draft+lookup": why}  # one compiled forward, shared
     assert f"draft: torch.compile failed ({why}); its steps ran eagerly." in (out / "speculate.md").read_text()
+
+
+def test_also_draft_runs_more_draft_models_in_the_same_sweep(tmp_path, tiny_qwen3_dir, tiny_llama_dir):
+    """--also-draft NAME=DIR: another in-process draft, timed beside the main one against the same baseline."""
+    from specdraft.cli import _stage_parser
+    from specdraft.config import config_from_args
+    from specdraft.speculate import build_proposers
+
+    parser, cls, _ = _stage_parser("speculate")
+    args = parser.parse_args(["--draft", str(tiny_llama_dir), "--prompts", "p.jsonl",
+                              "--also-draft", f"self={tiny_qwen3_dir}", "--also-draft", f"other={tiny_llama_dir}"])
+    assert config_from_args(cls, args).also_draft == [f"self={tiny_qwen3_dir}", f"other={tiny_llama_dir}"]
+    for bad in (["lookup=x"], ["draft=x"], ["noequals"], ["=x"], ["a=x", "a=y"]):
+        with pytest.raises(ValueError, match="NAME=DIR"):
+            SpeculateConfig(draft="lookup", prompts="p", also_draft=bad)
+    cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts=_prompt_file(tmp_path),
+                          out=tmp_path / "out", max_new_tokens=8, k=[2], warmup=False, draft_compile="off",
+                          also_draft=[f"self={tiny_qwen3_dir}"])
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    proposers = {name: (p, src) for name, p, src in build_proposers(cfg, tok)}
+    assert list(proposers) == ["draft", "draft+lookup", "lookup", "self"]
+    own, src = proposers["self"]
+    assert isinstance(own, CachedDraftModel) and src["path"] == str(tiny_qwen3_dir) and src["compute"] == "int4"
+    assert own.model is not proposers["draft"][0].model
+    with pytest.raises(ValueError, match="--also-draft gone"):
+        build_proposers(cfg.model_copy(update={"also_draft": [f"gone={tmp_path / 'nope'}"]}), tok)
+    assert run_speculate(cfg) == 0
+    report = json.loads((tmp_path / "out" / "speculate.json").read_text())
+    assert report["lossless"] and set(report["drafters"]) == {"draft", "draft+lookup", "lookup", "self"}
+    assert report["provenance"]["drafters"]["self"]["path"] == str(tiny_qwen3_dir)
+    assert "| self |" in (tmp_path / "out" / "speculate.md").read_text()

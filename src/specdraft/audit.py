@@ -1206,6 +1206,7 @@ class Audit:
         self.guard("recipe source", lambda: self._pack_source(recipe))
         self.guard("calibration", lambda: self._pack_calibration(recipe))
         self.guard("side files", self._pack_side_files)
+        self.guard("self-draft", self._pack_self_draft)
 
     def _weight_path(self, arch: dict | None) -> Path:
         from .pack import WEIGHT_FILE
@@ -1269,6 +1270,37 @@ class Audit:
                                  f"the packed checkpoint and {self.rel(self.paths.checkpoint)} on disk "
                                  "(weights sha256)",
                                  [self.cite(rp, "source.weights_sha256"), self.cite(self.paths.checkpoint)], _short)
+
+    def _pack_self_draft(self) -> None:
+        """The demo's reference draft (RUN_DIR/model_self, when there): its weight file is the one its records
+        describe, and what it packed is the target's own weights."""
+        from . import qd4
+        from .pack import WEIGHT_FILE
+        md = self.paths.run_dir / "model_self"
+        if not md.is_dir():
+            return
+        ap, rp = md / "architecture.json", md / "pack_recipe.json"
+        self.expect([(ap, "written by specdraft pack"), (rp, "written by specdraft pack")])
+        arch, recipe = self.json(ap), self.json(rp)
+        if arch is None or recipe is None:
+            return
+        w = md / str(arch.get("weight_file") or WEIGHT_FILE)
+        if not self.require(w, "the self-draft's QD04 weight file"):
+            return
+        sha = self.sha(w)
+        for record, path in ((arch, ap), (_get(recipe, "output") or {}, rp)):
+            self.check_equal("self-draft weight file", [w.stat().st_size, sha], [record.get("bytes"),
+                             record.get("sha256")], f"{self.rel(w)} and {path.name} (bytes, sha256)",
+                             [self.cite(w), self.cite(path, "bytes, sha256")], lambda v: f"{v[0]} B {_short(v[1])}")
+        try:
+            qd4.verify_qd4(w)
+        except qd4.QD4Error as e:
+            self.add("self-draft weight file", "fail", e.reason, [self.cite(w, "QD04 header + payload sha256")])
+        target = self.target_dir()
+        if target is not None:
+            self.check_equal("self-draft source", _get(recipe, "source.weights_sha256"), self.weights_sha(target),
+                             "the self-draft's packed checkpoint and the target that wrote the traces "
+                             "(weights sha256)", [self.cite(rp, "source.weights_sha256"), self.cite(target)], _short)
 
     def _pack_calibration(self, recipe: dict | None) -> None:
         """--fit gptq chose codes from traces: the file it names must still hold the recorded bytes."""

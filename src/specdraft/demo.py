@@ -1,8 +1,9 @@
 """`specdraft demo`: the whole pipeline on the embedded default, resumable, ending with a summary table.
 
 manifest -> prompts -> traces -> train -> pack -> validation -> serve -> eval (untrained init, trained draft
-over HTTP, prompt lookup) -> speculate -> selfcheck -> audit. Each stage records a marker with the config
-it ran with; a rerun skips stages whose marker matches (traces resume inside the stage as well).
+over HTTP, prompt lookup, and the self-draft: the target's own weights packed) -> speculate -> selfcheck ->
+audit. Each stage records a marker with the config it ran with; a rerun skips stages whose marker matches
+(traces resume inside the stage as well).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Budget:
     qat: bool = False  # train through the 4-bit rounding of the pack that follows (its group size)
     # GPTQ-calibrate the pack on the run's traces; not after QAT, whose weights are fitted to plain rounding
     gptq: bool = False
+    # speculate's draft steps through torch.compile: worth its compile (~15-90 s per draft with an empty
+    # inductor cache) over a long sweep, not over small's few hundred draft steps (~5 ms saved per step)
+    compile_drafts: bool = True
 
 
 # The draft keeps 24 of the target's 30 layers (drops 16-21) and trains only the last 12 (the first 12 stay
@@ -52,11 +56,16 @@ class Budget:
 # instead of 0.55x (BENCHMARKS.md, "Depth").
 DRAFT_INIT = "truncate:{target}:" + ",".join(str(i) for i in [*range(16), *range(22, 30)])
 FROZEN_LAYERS = 12
+# The self-draft (the target's own weights, packed, untrained) keeps its embedding in f16: the embedded
+# target's linear layers sit on a 4-bit grid already (stored exactly), its Q8_0 embedding does not: with it at
+# 4 bits the self-draft accepts 8.6 of 16 on MT-bench instead of 14.4 (BENCHMARKS.md, "The target as its own
+# draft").
+SELF_DRAFT_EMBEDDING = "f16"
 
 BUDGETS: dict[str, Budget] = {
     "small": Budget(trace_prompts=96, trace_tokens=64, draft_init=DRAFT_INIT, epochs=2, lr=5e-4,
                     freeze_layers=FROZEN_LAYERS, val_prompts=16, val_tokens=64, spec_prompts=3, spec_tokens=48,
-                    spec_k=[2, 4, 8], qat=True),
+                    spec_k=[2, 4, 8], qat=True, compile_drafts=False),
     "default": Budget(trace_prompts=480, trace_tokens=128, draft_init=DRAFT_INIT, epochs=3, lr=5e-4,
                       freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=128, spec_prompts=8, spec_tokens=96,
                       gptq=True),
@@ -182,9 +191,15 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
 
     _stage(run_dir, "pack", pack_cfg.to_json_dict(), lambda: {"bytes": _pack_bytes(run_pack(pack_cfg))})
 
+    # The reference draft no training makes: the target's own weights, packed (SELF_DRAFT_EMBEDDING).
+    self_cfg = PackConfig(checkpoint=cfg.target, out=str(run_dir / "model_self"), overwrite=True,
+                          embedding_encoding=SELF_DRAFT_EMBEDDING)
+    _stage(run_dir, "pack_self", self_cfg.to_json_dict(), lambda: {"bytes": _pack_bytes(run_pack(self_cfg))})
+
     validation = run_dir / "validation" / "validation.jsonl"
     reports: dict[str, dict] = {}
-    for name, kwargs in (("init", {"model_dir": run_dir / "init"}), ("lookup", {"lookup": True})):
+    for name, kwargs in (("init", {"model_dir": run_dir / "init"}), ("lookup", {"lookup": True}),
+                         ("self", {"model_dir": run_dir / "model_self", "compute": "int4", "threads": cfg.threads})):
         ecfg = EvalConfig(validation=validation, out=run_dir / "eval" / name, **kwargs)
         _stage(run_dir, f"eval_{name}", ecfg.to_json_dict(), lambda ecfg=ecfg: run_eval(ecfg))
         reports[name] = read_json(run_dir / "eval" / name / "report.json")
@@ -214,9 +229,12 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
     spec_cfg = SpeculateConfig(target=cfg.target, draft=str(run_dir / "model"), prompts=Path(eval_set),
                                out=run_dir / "speculate", max_new_tokens=budget.spec_tokens, k=budget.spec_k,
                                num_prompts=budget.spec_prompts, threads=cfg.threads,
+                               also_draft=[f"self={run_dir / 'model_self'}"],
+                               draft_compile="on" if budget.compile_drafts else "off",
                                # CPU time is steady on a shared machine when one thread runs the models
                                clock="cpu" if cfg.threads == 1 else "wall")
-    _stage(run_dir, "speculate", {**spec_cfg.to_json_dict(), "train": train_cfg.to_json_dict()},
+    _stage(run_dir, "speculate", {**spec_cfg.to_json_dict(), "train": train_cfg.to_json_dict(),
+                                  "pack_self": self_cfg.to_json_dict()},
            lambda: run_speculate(spec_cfg))
     speculate = read_json(run_dir / "speculate" / "speculate.json")
 
@@ -229,6 +247,7 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
         audit_exit = run_audit(AuditConfig(run_dir=str(run_dir)))
 
     arch = read_json(run_dir / "model" / "architecture.json")
+    arch_self = read_json(run_dir / "model_self" / "architecture.json")
     return {
         "budget": cfg.budget,
         "target": cfg.target,
@@ -239,6 +258,8 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
         "draft_latency": reports["trained"].get("latency"),
         "speculate": _speculate_summary(speculate),
         "pack": {"bytes": _arch_bytes(arch), "parameters": arch.get("parameter_count") or arch.get("parameters")},
+        "pack_self": {"bytes": _arch_bytes(arch_self),
+                      "parameters": arch_self.get("parameter_count") or arch_self.get("parameters")},
         "selfcheck_exit": selfcheck_exit,
         "audit_exit": audit_exit,
     }
@@ -283,9 +304,11 @@ def summary_markdown(summary: dict) -> str:
              "|---|---|---|---|"]
     labels = {"init": f"untrained init ({summary['draft_init']})", "trained": "trained draft (packed, HTTP)",
               "lookup": "prompt lookup (model-free)",
+              "self": "self-draft: the target's own weights packed (4-bit linear layers, f16 embedding; "
+                      "untrained, in process)",
               "trained_lookup": f"trained draft behind prompt lookup (lookup where the last "
                                 f"{summary.get('hybrid_min_ngram')}+ tokens recur)"}
-    for name in ("init", "trained", "lookup", "trained_lookup"):
+    for name in ("init", "trained", "lookup", "trained_lookup", "self"):
         if name not in acc:
             continue
         a = acc[name]
@@ -302,7 +325,9 @@ def summary_markdown(summary: dict) -> str:
         if isinstance(row, dict):
             lines.append(f"| {name} | {row['best_k']} | {_fmt(row['tokens_per_s'])} | {_fmt(row['speedup'])} | "
                          f"{_fmt(row['accepted_per_step'])} |")
-    lines += ["", f"Pack: {summary['pack']['bytes']} bytes, {summary['pack']['parameters']} parameters",
+    self_pack = summary.get("pack_self") or {}
+    lines += ["", f"Pack: {summary['pack']['bytes']} bytes, {summary['pack']['parameters']} parameters "
+                  f"(self-draft: {self_pack.get('bytes')} bytes, {self_pack.get('parameters')} parameters)",
               f"Selfcheck exit {summary['selfcheck_exit']}, audit exit {summary['audit_exit']}",
               f"Wall time: {summary.get('wall_seconds')} s"]
     return "\n".join(lines) + "\n"

@@ -18,6 +18,7 @@ why a model cannot take it; callers then use ``model(...)``. ``CompiledSteps`` r
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import time
@@ -244,9 +245,10 @@ class CompiledSteps:
 
     Inductor fuses the norms, rotary, casts and residuals of all layers into a few C++ loops and calls the
     int4 kernel as it is, which takes the per-step work outside the kernel down (BENCHMARKS.md). The KV
-    cache's length is marked dynamic, so one graph serves every length; a second one is compiled for a
-    cache whose tensors ``crop`` left as views (their strides differ). Compiling both takes a minute or two
-    here with an empty inductor cache (the demo: ~95 s), seconds with a warm one, paid on the first steps.
+    cache's length is marked dynamic, so one graph serves every length; a second one serves a cache whose
+    tensors ``crop`` left as views (their strides differ). Both are compiled at the first step (the second on
+    a scratch copy of the cache): a minute or two here with an empty inductor cache (the demo: ~95 s),
+    seconds with a warm one.
 
     The logits are not bit-identical to the eager forward (fused reductions round differently; greedy
     tokens rarely change), so only callers whose output is checked anyway use it: a speculative draft,
@@ -280,6 +282,8 @@ class CompiledSteps:
         started = time.perf_counter()
         try:
             logits = self._step(input_ids, position_ids, None, cache, logits_to_keep)
+            if first:
+                self._compile_cropped(input_ids, position_ids, cache, logits_to_keep)
             self.calls["compiled"] += 1
             if first:
                 log.info("draft decode step compiled in %.1f s", time.perf_counter() - started)
@@ -292,6 +296,20 @@ class CompiledSteps:
                 layer.keys, layer.values = keys, values
             self.calls["eager"] += 1
             return self.lean.forward(input_ids, position_ids, None, cache, logits_to_keep)
+
+
+    def _compile_cropped(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any,
+                         logits_to_keep: int) -> None:
+        """Compile the graph for a cropped cache now, on a scratch copy: otherwise it compiles at the first
+        rejected draft, inside whatever is being timed (12 s of one prompt's time in a benchmark here)."""
+        scratch = copy.deepcopy(cache)
+        if scratch.get_seq_length() < 2:
+            return
+        scratch.crop(-2)  # leaves its tensors as views, as a rewind after a rejected draft does
+        for layer in scratch.layers:
+            torch._dynamo.mark_dynamic(layer.keys, 2)
+            torch._dynamo.mark_dynamic(layer.values, 2)
+        self._step(input_ids, position_ids - 1, None, scratch, logits_to_keep)
 
 
 _BUILT: "weakref.WeakKeyDictionary[nn.Module, tuple[list[weakref.ref], dict[bool, Any]]]" = \

@@ -40,6 +40,11 @@ log = logging.getLogger("specdraft.speculate")
 DEFAULT_DRAFT_CONFIDENCE = 0.4  # transformers' assisted generation uses the same threshold by default
 
 
+# the drafters build_proposers names itself; an also_draft must not take one of them
+RESERVED_DRAFTER_NAMES = frozenset({"baseline", "draft", "draft-eager", "draft-hf", "draft-reprefill", "draft+lookup",
+                                    "lookup", "server"})
+
+
 class SpeculateConfig(StageConfig):
     target: str = Field(DEFAULT_TARGET, description="target model spec (local dir | hub:ORG/NAME@REV | embedded:NAME)")
     draft: str = Field(description="drafter: a draft server URL (http://...), a model dir (packed QD04 or HF "
@@ -52,6 +57,10 @@ class SpeculateConfig(StageConfig):
                          json_schema_extra={"aliases": ["-k"]})
     num_prompts: int | None = Field(8, ge=1, description="use the first N prompts (null in a --config file: all)")
     baseline_lookup: bool = Field(True, description="also run the model-free lookup drafter as the peer baseline")
+    also_draft: list[str] = Field(
+        [], description="more in-process draft model dirs timed in the same run, each as NAME=DIR (e.g. "
+                        "self=runs/demo/model_self: the target's own weights packed), with the main draft's "
+                        "cache, lean, compile, compute and confidence settings; repeatable")
     draft_cache: Literal["keep", "reprefill", "both"] = Field(
         "keep", description="in-process draft model: keep its KV cache across steps (rolled back to the "
                             "accepted prefix), re-prefill the whole context every step, or time both")
@@ -88,6 +97,18 @@ class SpeculateConfig(StageConfig):
         "wall", description="clock behind tokens/s, speedup and best k (both are recorded): wall, or this "
                             "process's CPU time (use cpu with --threads 1 on a machine shared with other "
                             "jobs; it does not count a draft server's time)")
+
+    @field_validator("also_draft")
+    @classmethod
+    def _named_dirs(cls, value: list[str]) -> list[str]:
+        names = []
+        for item in value:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path or name in RESERVED_DRAFTER_NAMES or name in names:
+                raise ValueError(f"also_draft {item!r}: want NAME=DIR with a NAME used once and not one of "
+                                 f"{sorted(RESERVED_DRAFTER_NAMES)}")
+            names.append(name)
+        return value
 
     @field_validator("k")
     @classmethod
@@ -422,9 +443,10 @@ def _check_tokenizer(draft_dir: Path, target_tokenizer) -> None:
 
 
 def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str, Any, dict]]:
-    """(name, proposer, source) for the draft named in the config, plus the lookup peer baseline."""
+    """(name, proposer, source) for the draft named in the config, plus the lookup peer baseline and every
+    ``also_draft``."""
     from .drafters import LookupDrafter, ModelDrafter
-    from .evaluate import HTTPDrafter, load_draft_model
+    from .evaluate import HTTPDrafter
 
     out: list[tuple[str, Any, dict]] = []
     spec = config.draft
@@ -434,25 +456,15 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
         http = HTTPDrafter(spec, concurrency=1)
         out.append(("server", DrafterProposer(http, "server"), {"kind": "http", "url": spec}))
     else:
-        draft_dir = Path(spec)
-        if not draft_dir.is_dir():
-            raise ValueError(f"--draft {spec!r}: not a URL, not 'lookup' and not a directory")
-        _check_tokenizer(draft_dir, target_tokenizer)
-        model, source = load_draft_model(draft_dir, config.draft_compute)
-        source = {"kind": "in-process", **source}
+        model, source = _in_process_draft(spec, "--draft", config, target_tokenizer)
         if config.draft_cache in ("keep", "both"):
-            def kept_cache(name: str, lean: bool, compile: bool) -> tuple[str, Any, dict]:
-                conf = config.draft_confidence
-                return (name, CachedDraftModel(model, name, lean=lean, min_confidence=conf, compile=compile),
-                        {**source, "draft_cache": "keep", "lean": lean, "compile": compile, "min_confidence": conf})
-
             lean = config.draft_lean != "off"
             compiled = lean and config.draft_compile != "off"
-            out.append(kept_cache("draft", lean, compiled))
+            out.append(_kept_cache(config, model, source, "draft", lean, compiled))
             if compiled and config.draft_compile == "both":
-                out.append(kept_cache("draft-eager", True, False))
+                out.append(_kept_cache(config, model, source, "draft-eager", True, False))
             if config.draft_lean == "both":
-                out.append(kept_cache("draft-hf", False, False))
+                out.append(_kept_cache(config, model, source, "draft-hf", False, False))
         if config.draft_cache in ("reprefill", "both"):
             name = "draft-reprefill" if config.draft_cache == "both" else "draft"
             out.append((name, DrafterProposer(ModelDrafter(model, name=name, max_batch_size=1), name),
@@ -467,7 +479,31 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
                     {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "draft": base_source}))
     if config.baseline_lookup and spec != "lookup":
         out.append(("lookup", DrafterProposer(LookupDrafter()), {"kind": "lookup"}))
+    for item in config.also_draft:
+        name, _, path = item.partition("=")
+        model, source = _in_process_draft(path, f"--also-draft {name}", config, target_tokenizer)
+        lean = config.draft_lean != "off"
+        out.append(_kept_cache(config, model, source, name, lean, lean and config.draft_compile != "off"))
     return out
+
+
+def _in_process_draft(path: str, what: str, config: SpeculateConfig, target_tokenizer) -> tuple[Any, dict]:
+    """A draft model dir loaded for in-process drafting, with its source record."""
+    from .evaluate import load_draft_model
+
+    draft_dir = Path(path)
+    if not draft_dir.is_dir():
+        raise ValueError(f"{what} {path!r}: not a URL, not 'lookup' and not a directory")
+    _check_tokenizer(draft_dir, target_tokenizer)
+    model, source = load_draft_model(draft_dir, config.draft_compute)
+    return model, {"kind": "in-process", **source}
+
+
+def _kept_cache(config: SpeculateConfig, model, source: dict, name: str, lean: bool,
+                compile: bool) -> tuple[str, Any, dict]:
+    conf = config.draft_confidence
+    return (name, CachedDraftModel(model, name, lean=lean, min_confidence=conf, compile=compile),
+            {**source, "draft_cache": "keep", "lean": lean, "compile": compile, "min_confidence": conf})
 
 
 # -------------------------------------------------------------------------------------------- stage
