@@ -733,14 +733,27 @@ def test_config_limits_are_checked():
         ServeConfig(model_dir="x", compute="int8")
 
 
-def test_int4_keeps_an_embedding_stored_raw_in_bf16(tiny_qwen3_dir, tmp_path):
+def test_int4_head_of_an_embedding_stored_raw_searches_codes_and_scores_its_rows(tiny_qwen3_dir, tmp_path):
+    """An f16 embedding kept on purpose: the tied head searches on G=32 codes made at load and rescores its top
+    candidates from the f16 rows, so its argmax is the float model's (here: 1,000 random hidden states)."""
     from specdraft.cli import main
-    from specdraft.server.engine import BF16Linear
     out = tmp_path / "packed-f16-embedding"
     assert main(["pack", "--checkpoint", str(tiny_qwen3_dir), "--out", str(out), "--embedding-encoding", "f16"]) == 0
     engine = load_engine(out, None, "int4")
-    assert engine.load_info["bf16_fallback"] == ["lm_head"] and isinstance(engine.model.lm_head, BF16Linear)
+    head = engine.model.lm_head
+    assert isinstance(head, Int4Linear) and head.group_size == 32 and head.exact_rows.dtype == torch.float16
+    assert engine.load_info["bf16_fallback"] == [] and engine.load_info["head_search_codes"].startswith("q4g G32")
     assert engine.load_info["from_codes"] == 14 and engine.load_info["quantised_at_load"] == 0
+    emb = engine.model.get_input_embeddings().weight  # float32 values of the stored f16 rows
+    torch.manual_seed(0)
+    x = torch.randn(1000, emb.shape[1]) * 2
+    ref = x @ emb.T
+    got = head(x)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    win = ref.argmax(-1, keepdim=True)
+    assert torch.allclose(got.gather(-1, win), ref.gather(-1, win), rtol=1e-5, atol=1e-4)
+    searched = Int4Linear(qd4.quantize(emb, 32))(x)  # the codes alone get some argmaxes wrong
+    assert (searched.argmax(-1) != ref.argmax(-1)).sum() > 0
 
 
 def test_bf16_linear_takes_a_last_position_slice_as_one_matmul():

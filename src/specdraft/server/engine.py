@@ -7,8 +7,9 @@ residual stream -- stays float32):
   bfloat16  each nn.Linear swapped for ``BF16Linear``: bf16 weights, bf16 matmul, float32 out
   int4      each nn.Linear swapped for ``Int4Linear``: the QD04 4-bit codes themselves, run by torch's
             CPU weight-only int4 kernel (``aten._weight_int4pack_mm_for_cpu``, bf16 activations) in
-            decode steps; a tied lm_head uses the embedding's codes, its top candidates rescored in
-            float32; the prefill pass runs a dense bf16 copy of the layer weights (``dense_prefill``)
+            decode steps; a tied lm_head uses the embedding's codes (or, for an embedding stored raw,
+            codes made at load), its top candidates rescored in float32; the prefill pass runs a dense
+            bf16 copy of the layer weights (``dense_prefill``)
 
 At batch 1 every generated token reads every weight once, so bytes per weight set the latency:
 4 (float32) > 2 (bfloat16) > ~0.56 (int4 codes + fp16 scale/zero per group of 64).
@@ -37,6 +38,9 @@ Compute = Literal["float32", "bfloat16", "int4"]
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
 INT4_N_MULTIPLE = 16  # the CPU int4 packer needs out_features % 16 == 0
 RESCORE_TOP_K = 8  # lm_head candidates recomputed in float32 (Int4Linear)
+# A head the file stores raw (an f16 embedding kept on purpose) runs its candidate search on codes made at load
+# at this G and rescores the top candidates from the stored rows: 4x fewer bytes per step than a bf16 matmul
+HEAD_SEARCH_GROUP_SIZE = 32
 # Longest extension of a kept cache still run on the int4 kernel (is_prefill); past this the dense bf16 GEMM wins
 INT4_EXTEND_MAX_TOKENS = 16
 
@@ -117,10 +121,14 @@ class Int4Linear(nn.Module):
     kernels compute each row independently of the others, so a row gets the same result alone or batched.
     The prefill rows are padded up to ``bucket_rows(M)``: the bf16 GEMM keeps per-shape state, and with a
     new M for every batch the server's memory would grow with the number of shapes it has seen.
+
+    ``exact_rows``: the weight as the file stores it, when ``q`` was made from it at load (a raw f16 head):
+    the rescoring then recomputes the candidates from these rows, so the top logits are the float model's
+    although the codes only approximate the weight.
     """
 
     def __init__(self, q: qd4.QuantizedTensor, bias: torch.Tensor | None = None, rescore_top_k: int = 0,
-                 phase: Phase | None = None):
+                 phase: Phase | None = None, exact_rows: torch.Tensor | None = None):
         super().__init__()
         n, k = q.shape
         g = q.group_size
@@ -136,7 +144,8 @@ class Int4Linear(nn.Module):
         self.phase = phase
         if phase is not None:
             self.register_buffer("dense", qd4.dequantize(q, torch.bfloat16))  # [N, K] for the prefill pass
-        if rescore_top_k:  # the QD04 parts themselves, to dequantise a few rows exactly
+        self.register_buffer("exact_rows", None if exact_rows is None else exact_rows.detach().clone())  # [N, K]
+        if rescore_top_k and exact_rows is None:  # the QD04 parts themselves, to dequantise a few rows exactly
             self.register_buffer("q_codes", q.codes.clone())  # [N, K/2] uint8
             self.register_buffer("q_scales", q.scales.clone())  # [N, K/G] fp16
             self.register_buffer("q_mins", q.mins.clone())  # [N, K/G] fp16
@@ -159,9 +168,12 @@ class Int4Linear(nn.Module):
     def _rescore(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         top = y.topk(self.rescore_top_k, dim=-1).indices  # [M, k]
         m, k = top.shape
-        codes = qd4.unpack_codes(self.q_codes[top]).float()  # [M, k, K]
-        groups = codes.view(m, k, -1, self.group_size)  # [M, k, K/G, G]
-        w = groups * self.q_scales[top].float().unsqueeze(-1) + self.q_mins[top].float().unsqueeze(-1)
+        if self.exact_rows is not None:
+            w = self.exact_rows[top].float()  # [M, k, K]
+        else:
+            codes = qd4.unpack_codes(self.q_codes[top]).float()  # [M, k, K]
+            groups = codes.view(m, k, -1, self.group_size)  # [M, k, K/G, G]
+            w = groups * self.q_scales[top].float().unsqueeze(-1) + self.q_mins[top].float().unsqueeze(-1)
         # a product and a row sum, not einsum: its batched matmul rounds differently for other M, and a row must
         # get the same logits alone or in a batch
         exact = (w.view(m, k, -1) * x.float().unsqueeze(1)).sum(-1)  # [M, k]
@@ -216,9 +228,11 @@ def apply_compute(model: nn.Module, compute: Compute, quantized: dict[str, Any] 
     """Swap the model's nn.Linear modules for the chosen format, in place; return a summary.
 
     For int4, ``quantized`` maps stored tensor names to what a QD04 file holds (``qd4.load_qd4_quantized``):
-    a linear runs on its own 4-bit codes, or in bfloat16 where the file stores it raw (an f16 embedding
-    kept on purpose) or the kernel cannot take its shape. With no file (``quantized`` None: float weights
-    from from_pretrained) each linear is quantised now with ``qd4.quantize`` (the packer's quantiser).
+    a linear runs on its own 4-bit codes, or in bfloat16 where the file stores it raw or the kernel cannot
+    take its shape -- except a raw head (an f16 embedding kept on purpose), which searches on codes made at
+    load and rescores its top candidates from the stored rows (``Int4Linear(exact_rows=)``). With no file
+    (``quantized`` None: float weights from from_pretrained) each linear is quantised now with ``qd4.quantize``
+    (the packer's quantiser).
     """
     if compute not in ("float32", "bfloat16", "int4"):
         raise ValueError(f"compute must be float32, bfloat16 or int4, got {compute!r}")
@@ -243,6 +257,12 @@ def apply_compute(model: nn.Module, compute: Compute, quantized: dict[str, Any] 
             stored = quantized.get(_weight_name_for(model, name, lin))
             if isinstance(stored, qd4.QuantizedTensor) and int4_unsupported(stored.shape, stored.group_size) is None:
                 new, summary["from_codes"] = Int4Linear(stored, bias, top_k, layer_phase), summary["from_codes"] + 1
+            elif (lin is head and isinstance(stored, torch.Tensor)
+                  and int4_unsupported(tuple(stored.shape), HEAD_SEARCH_GROUP_SIZE) is None):
+                # a head kept raw on purpose: search on codes made now, rescore the candidates from its rows
+                new = Int4Linear(qd4.quantize(stored.float(), HEAD_SEARCH_GROUP_SIZE), bias, top_k,
+                                 exact_rows=stored)
+                summary["head_search_codes"] = f"q4g G{HEAD_SEARCH_GROUP_SIZE}, rescored from {stored.dtype}"
             else:  # stored raw (e.g. an f16 embedding kept on purpose) or a shape the kernel cannot take
                 new = BF16Linear(lin.weight, bias)
                 summary["bf16_fallback"].append(name)
