@@ -297,7 +297,6 @@ class CompiledSteps:
             self.calls["eager"] += 1
             return self.lean.forward(input_ids, position_ids, None, cache, logits_to_keep)
 
-
     def _compile_cropped(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any,
                          logits_to_keep: int) -> None:
         """Compile the graph for a cropped cache now, on a scratch copy: otherwise it compiles at the first

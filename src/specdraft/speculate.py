@@ -456,6 +456,8 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
         http = HTTPDrafter(spec, concurrency=1)
         out.append(("server", DrafterProposer(http, "server"), {"kind": "http", "url": spec}))
     else:
+        if not Path(spec).is_dir():
+            raise ValueError(f"--draft {spec!r}: not a URL, not 'lookup' and not a directory")
         model, source = _in_process_draft(spec, "--draft", config, target_tokenizer)
         if config.draft_cache in ("keep", "both"):
             lean = config.draft_lean != "off"
@@ -493,7 +495,7 @@ def _in_process_draft(path: str, what: str, config: SpeculateConfig, target_toke
 
     draft_dir = Path(path)
     if not draft_dir.is_dir():
-        raise ValueError(f"{what} {path!r}: not a URL, not 'lookup' and not a directory")
+        raise ValueError(f"{what} {path!r}: not a directory")
     _check_tokenizer(draft_dir, target_tokenizer)
     model, source = load_draft_model(draft_dir, config.draft_compute)
     return model, {"kind": "in-process", **source}
