@@ -386,3 +386,27 @@ def test_also_draft_runs_more_draft_models_in_the_same_sweep(tmp_path, tiny_qwen
     assert report["lossless"] and set(report["drafters"]) == {"draft", "draft+lookup", "lookup", "self"}
     assert report["provenance"]["drafters"]["self"]["path"] == str(tiny_qwen3_dir)
     assert "| self |" in (tmp_path / "out" / "speculate.md").read_text()
+
+
+@pytest.mark.slow
+def test_self_draft_of_the_embedded_target_is_exact_and_drafts_what_it_generates(tmp_path):
+    """The demo's self-draft: the embedded SmolLM2 packed with its embedding in f16 keeps all 210 linear
+    layers bit for bit (they sit on the GGUF's 4-bit grid), and as an int4 draft nearly every token it
+    drafts is accepted; the output stays the target's greedy one."""
+    from specdraft.evaluate import load_draft_model
+    from specdraft.models import DEFAULT_TARGET, load_model, load_tokenizer
+    from specdraft.pack import PackConfig, run_pack
+    from specdraft.speculate import chat_prompt_ids
+
+    out = run_pack(PackConfig(checkpoint=DEFAULT_TARGET, out=str(tmp_path / "self"), embedding_encoding="f16")).out
+    target = load_model(DEFAULT_TARGET).eval()
+    unpacked, _ = load_draft_model(out, "float32")
+    want, got = target.state_dict(), unpacked.state_dict()
+    linear = [n for n, m in target.named_modules() if isinstance(m, torch.nn.Linear) and m is not target.lm_head]
+    assert len(linear) == 210 and all(torch.equal(want[f"{n}.weight"], got[f"{n}.weight"]) for n in linear)
+    draft, _ = load_draft_model(out, "int4")
+    tok = load_tokenizer(DEFAULT_TARGET)
+    prompt = chat_prompt_ids(tok, "Write a Python function that reverses a string.")
+    gen = speculative_generate(target, CachedDraftModel(draft), prompt, 48, 8)
+    assert gen.tokens == greedy_decode(target, [prompt], 48)[0].tokens
+    assert gen.drafted >= 30 and gen.accepted / gen.drafted > 0.9, (gen.accepted, gen.drafted)
