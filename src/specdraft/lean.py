@@ -239,6 +239,13 @@ class LeanForward:
                           for r, (lo, hi) in enumerate(key_ranges)])
 
 
+def _mark_length_dynamic(layers) -> None:
+    """Cache tensors are [B, kv heads, length, head dim]: with the length dynamic one graph serves them all."""
+    for layer in layers:
+        torch._dynamo.mark_dynamic(layer.keys, 2)
+        torch._dynamo.mark_dynamic(layer.values, 2)
+
+
 class CompiledSteps:
     """A ``LeanForward`` whose decode steps (one new token, no mask: the speculative draft's hot path) run
     through ``torch.compile``; anything else (catch-ups of several tokens) runs it eagerly. Called like it.
@@ -271,9 +278,7 @@ class CompiledSteps:
                 or any(getattr(layer, "keys", None) is None for layer in layers)):
             self.calls["eager"] += 1
             return self.lean.forward(input_ids, position_ids, mask, cache, logits_to_keep)
-        for layer in layers:  # [B, kv heads, length, head dim]: one graph for every length
-            torch._dynamo.mark_dynamic(layer.keys, 2)
-            torch._dynamo.mark_dynamic(layer.values, 2)
+        _mark_length_dynamic(layers)
         saved = [(layer.keys, layer.values) for layer in layers]  # update() replaces them (a cat), never writes
         first = self.calls["compiled"] == 0
         if first:  # otherwise a silent minute
@@ -301,13 +306,11 @@ class CompiledSteps:
                          logits_to_keep: int) -> None:
         """Compile the graph for a cropped cache now, on a scratch copy: otherwise it compiles at the first
         rejected draft, inside whatever is being timed (12 s of one prompt's time in a benchmark here)."""
-        scratch = copy.deepcopy(cache)
-        if scratch.get_seq_length() < 2:
+        if cache.get_seq_length() < 2:
             return
+        scratch = copy.deepcopy(cache)
         scratch.crop(-2)  # leaves its tensors as views, as a rewind after a rejected draft does
-        for layer in scratch.layers:
-            torch._dynamo.mark_dynamic(layer.keys, 2)
-            torch._dynamo.mark_dynamic(layer.values, 2)
+        _mark_length_dynamic(scratch.layers)
         self._step(input_ids, position_ids - 1, None, scratch, logits_to_keep)
 
 

@@ -450,18 +450,17 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
 
     out: list[tuple[str, Any, dict]] = []
     spec = config.draft
+    lean = config.draft_lean != "off"
+    compiled = lean and config.draft_compile != "off"
     if spec == "lookup":
         out.append(("lookup", DrafterProposer(LookupDrafter()), {"kind": "lookup"}))
     elif spec.startswith(("http://", "https://")):
         http = HTTPDrafter(spec, concurrency=1)
         out.append(("server", DrafterProposer(http, "server"), {"kind": "http", "url": spec}))
     else:
-        if not Path(spec).is_dir():
-            raise ValueError(f"--draft {spec!r}: not a URL, not 'lookup' and not a directory")
-        model, source = _in_process_draft(spec, "--draft", config, target_tokenizer)
+        model, source = _in_process_draft(spec, f"--draft {spec!r}: not a URL, not 'lookup' and not a directory",
+                                          config, target_tokenizer)
         if config.draft_cache in ("keep", "both"):
-            lean = config.draft_lean != "off"
-            compiled = lean and config.draft_compile != "off"
             out.append(_kept_cache(config, model, source, "draft", lean, compiled))
             if compiled and config.draft_compile == "both":
                 out.append(_kept_cache(config, model, source, "draft-eager", True, False))
@@ -483,19 +482,20 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
         out.append(("lookup", DrafterProposer(LookupDrafter()), {"kind": "lookup"}))
     for item in config.also_draft:
         name, _, path = item.partition("=")
-        model, source = _in_process_draft(path, f"--also-draft {name}", config, target_tokenizer)
-        lean = config.draft_lean != "off"
-        out.append(_kept_cache(config, model, source, name, lean, lean and config.draft_compile != "off"))
+        model, source = _in_process_draft(path, f"--also-draft {name} {path!r}: not a directory", config,
+                                          target_tokenizer)
+        out.append(_kept_cache(config, model, source, name, lean, compiled))
     return out
 
 
-def _in_process_draft(path: str, what: str, config: SpeculateConfig, target_tokenizer) -> tuple[Any, dict]:
-    """A draft model dir loaded for in-process drafting, with its source record."""
+def _in_process_draft(path: str, not_a_dir: str, config: SpeculateConfig, target_tokenizer) -> tuple[Any, dict]:
+    """A draft model dir loaded for in-process drafting, with its source record (``not_a_dir``: the error
+    when it is none)."""
     from .evaluate import load_draft_model
 
     draft_dir = Path(path)
     if not draft_dir.is_dir():
-        raise ValueError(f"{what} {path!r}: not a directory")
+        raise ValueError(not_a_dir)
     _check_tokenizer(draft_dir, target_tokenizer)
     model, source = load_draft_model(draft_dir, config.draft_compute)
     return model, {"kind": "in-process", **source}
