@@ -110,9 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steady on a shared machine)")
     ap.add_argument("--draft-cache", choices=["keep", "reprefill", "both"], default="keep")
     ap.add_argument("--draft-compute", choices=["float32", "bfloat16", "int4"], default="int4")
+    ap.add_argument("--draft-stop", choices=["calibrated", "probability", "both"], default="calibrated",
+                    help="where a step's draft stops short of k (specdraft speculate --draft-stop; 'both': the "
+                         "probability rule too, side by side, as '<name>-prob')")
     ap.add_argument("--draft-confidence", type=float, default=None,
-                    help="stop a step's draft after a token below this probability (default: specdraft "
-                         "speculate's, 0.4; 0: always k)")
+                    help="the stop rule's threshold (default: specdraft speculate's for the rule; 0: always k)")
     ap.add_argument("--draft-lean", choices=["on", "off", "both"], default="on",
                     help="draft decode through specdraft.lean, transformers' forward, or both side by side")
     ap.add_argument("--draft-compile", choices=["on", "off", "both"], default="on",
@@ -176,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_new_tokens=args.max_new_tokens, k=ks, num_prompts=args.num_prompts,
                               draft_cache=args.draft_cache, draft_compute=args.draft_compute, threads=args.threads,
                               draft_lean=args.draft_lean, draft_compile=args.draft_compile,
+                              draft_stop=args.draft_stop,
                               **({} if args.draft_confidence is None else {"draft_confidence": args.draft_confidence}),
                               note=note or None, clock=args.clock,
                               hybrid_min_ngram=args.hybrid_min_ngram or None, also_draft=args.also_draft)

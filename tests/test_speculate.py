@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from specdraft.decode import cache_kwargs, draft_batch, greedy_decode
 from specdraft.drafters import LookupDrafter, ModelDrafter
 from specdraft.drafters import lookup_draft
-from specdraft.speculate import (CachedDraftModel, DrafterProposer, HybridProposer, NoDraft, SpeculateConfig, _crop_to,
-                                 load_prompts, run_speculate, speculative_generate)
+from specdraft.speculate import (AcceptanceCalibration, CachedDraftModel, DrafterProposer, HybridProposer, NoDraft,
+                                 SpeculateConfig, _crop_to, load_prompts, run_speculate, speculative_generate)
 
 K_VALUES = [1, 2, 4, 8, 16]
 
@@ -158,6 +158,52 @@ def test_confident_draft_stops_after_its_first_unlikely_token(models):
     assert gen.tokens == ref
 
 
+def test_acceptance_calibration_counts_what_the_target_kept():
+    cal = AcceptanceCalibration(bins=4, prior_weight=2.0)
+    assert [cal.estimate(p) for p in (0.1, 0.3, 0.6, 0.9, 1.0)] == [0.125, 0.375, 0.625, 0.875, 0.875]
+    cal.observe([0.1, 0.1, 0.1, 0.9], kept=2, refused=True)  # 2 kept, the third refused, the fourth unseen
+    assert cal.estimate(0.1) == pytest.approx((0.25 + 2) / (2 + 3))
+    assert cal.estimate(0.9) == 0.875
+    cal.observe([0.9, 0.9], kept=2, refused=False)  # all kept (or the sequence ended): no refusal
+    assert cal.estimate(0.9) == pytest.approx((1.75 + 2) / (2 + 2))
+
+
+def test_calibrated_stop_learns_from_the_next_context(models):
+    target, draft = models
+    rng = random.Random(5)
+    ctx = [rng.randrange(3, draft.config.vocab_size) for _ in range(7)]
+    full = CachedDraftModel(draft).propose(ctx, 6)
+    # a calibration that trusts every token drafts k; one that trusts none stops after the first
+    trusting = CachedDraftModel(draft, min_confidence=0.5, stop="calibrated")
+    trusting.calibration.kept = list(trusting.calibration.seen)
+    assert trusting.propose(ctx, 6) == full
+    doubting = CachedDraftModel(draft, min_confidence=0.5, stop="calibrated")
+    doubting.calibration.kept = [0.0] * len(doubting.calibration.seen)
+    assert doubting.propose(ctx, 6) == full[:1]
+    # the next context keeps 3 of the 6 drafted tokens and then the target's own, different token
+    seen = []
+    trusting.calibration.observe = lambda probs, kept, refused: seen.append((len(probs), kept, refused))
+    wrong = (full[3] + 1) % draft.config.vocab_size
+    trusting.propose(ctx + full[:3] + [wrong], 2)
+    assert seen == [(6, 3, True)]
+    trusting.propose(ctx + full[:3] + [wrong] + [4, 4], 2)  # the previous 2-token draft: outcome read too
+    assert len(seen) == 2
+    trusting.reset()  # a new prompt: nothing to learn from the last draft of the old one
+    trusting.propose(ctx, 2)
+    assert len(seen) == 2
+    # lossless inside speculative decoding, learning as it goes
+    prompt = [rng.randrange(3, target.config.vocab_size) for _ in range(9)]
+    ref = greedy_decode(target, [prompt], 20, stop_at_eos=False)[0].tokens
+    learner = CachedDraftModel(draft, min_confidence=0.6, stop="calibrated")
+    drafts, propose = [], learner.propose
+    learner.propose = lambda context, k: drafts.append(propose(context, k)) or drafts[-1]
+    gen = speculative_generate(target, learner, prompt, 20, 6, eos_ids=set())
+    assert gen.tokens == ref
+    observed = sum(learner.calibration.seen) - 2.0 * len(learner.calibration.seen)
+    assert observed >= len(drafts) - 1  # every draft but the last was scored (one token at least)
+    assert observed == sum(min(len(d), n + 1) for d, n in zip(drafts[:-1], gen.accepted_per_step))
+
+
 def test_crop_to(models):
     target, _ = models
     cache = DynamicCache(config=target.config)
@@ -203,14 +249,19 @@ def test_run_speculate_report_matches_recomputation(tmp_path, tiny_qwen3_dir, ti
     target, _ = models
     out = tmp_path / "out"
     torch._dynamo.reset()  # the report's compiled draft and the recomputation's: within the recompile limit
+    # the probability stop rule: the calibrated one (the default) learns over the whole run, in the rotated
+    # order of prompts and k, which a recomputation per k does not replay
     cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts=_prompt_file(tmp_path),
-                          out=out, max_new_tokens=12, k=[1, 3], warmup=False)
+                          out=out, max_new_tokens=12, k=[1, 3], warmup=False, draft_stop="probability",
+                          draft_confidence=0.4)
     assert run_speculate(cfg) == 0
     report = json.loads((out / "speculate.json").read_text())
     assert report["lossless"] and not report["mismatches"]
     assert set(report["drafters"]) == {"draft", "draft+lookup", "lookup"}
     assert report["provenance"]["drafters"]["draft"]["compute"] == "int4"  # the default, as the server runs it
     assert report["provenance"]["drafters"]["draft"]["min_confidence"] == cfg.draft_confidence == 0.4
+    assert report["provenance"]["drafters"]["draft"]["stop"] == "probability"
+    assert "stops a step's draft after a token it gives p < 0.4" in (out / "speculate.md").read_text()
     assert report["provenance"]["drafters"]["draft"]["compile"] is True and report["compile_errors"] == {}
     # accepted tokens per step recomputed independently from the same prompts
     tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
@@ -379,13 +430,24 @@ def test_also_draft_runs_more_draft_models_in_the_same_sweep(tmp_path, tiny_qwen
     own, src = proposers["self"]
     assert isinstance(own, CachedDraftModel) and src["path"] == str(tiny_qwen3_dir) and src["compute"] == "int4"
     assert own.model is not proposers["draft"][0].model
+    assert own.stop == "calibrated" and own.min_confidence == 0.6 and src["stop"] == "calibrated"
+    # --draft-stop both: each in-process draft also with the probability rule, as NAME-prob
+    both = {name: (p, src) for name, p, src in build_proposers(cfg.model_copy(update={"draft_stop": "both"}), tok)}
+    assert list(both) == ["draft", "draft-prob", "draft+lookup", "lookup", "self", "self-prob"]
+    for name in ("draft", "self"):
+        calibrated, probability = both[name][0], both[f"{name}-prob"][0]
+        assert (calibrated.stop, calibrated.min_confidence) == ("calibrated", 0.6)
+        assert (probability.stop, probability.min_confidence, probability.calibration) == ("probability", 0.4, None)
+        assert probability.model is calibrated.model and both[f"{name}-prob"][1]["stop"] == "probability"
+    assert both["draft+lookup"][0].proposer.stop == "calibrated"
     with pytest.raises(ValueError, match="--also-draft gone"):
         build_proposers(cfg.model_copy(update={"also_draft": [f"gone={tmp_path / 'nope'}"]}), tok)
     assert run_speculate(cfg) == 0
     report = json.loads((tmp_path / "out" / "speculate.json").read_text())
     assert report["lossless"] and set(report["drafters"]) == {"draft", "draft+lookup", "lookup", "self"}
     assert report["provenance"]["drafters"]["self"]["path"] == str(tiny_qwen3_dir)
-    assert "| self |" in (tmp_path / "out" / "speculate.md").read_text()
+    markdown = (tmp_path / "out" / "speculate.md").read_text()
+    assert "| self |" in markdown and "accepted (calibrated during the run) is < 0.6" in markdown
 
 
 @pytest.mark.slow

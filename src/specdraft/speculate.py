@@ -37,12 +37,16 @@ from .provenance import atomic_write_json, atomic_write_text, run_metadata, sha2
 log = logging.getLogger("specdraft.speculate")
 
 
-DEFAULT_DRAFT_CONFIDENCE = 0.4  # transformers' assisted generation uses the same threshold by default
+# Where an in-process draft stops a step's draft, per rule (``SpeculateConfig.draft_stop``). "probability": the
+# token's own top probability, the rule and threshold of transformers' assisted generation; "calibrated": the
+# estimated probability that the whole draft so far is accepted (``AcceptanceCalibration``), a threshold chosen
+# by simulating both rules on the self-draft's and the trained draft's drafts (BENCHMARKS.md, "Where a draft stops").
+DEFAULT_DRAFT_CONFIDENCE = {"probability": 0.4, "calibrated": 0.6}
 
 
 # the drafters build_proposers names itself; an also_draft must not take one of them
-RESERVED_DRAFTER_NAMES = frozenset({"baseline", "draft", "draft-eager", "draft-hf", "draft-reprefill", "draft+lookup",
-                                    "lookup", "server"})
+RESERVED_DRAFTER_NAMES = frozenset({"baseline", "draft", "draft-eager", "draft-hf", "draft-prob", "draft-reprefill",
+                                    "draft+lookup", "lookup", "server"})
 
 
 class SpeculateConfig(StageConfig):
@@ -64,11 +68,16 @@ class SpeculateConfig(StageConfig):
     draft_cache: Literal["keep", "reprefill", "both"] = Field(
         "keep", description="in-process draft model: keep its KV cache across steps (rolled back to the "
                             "accepted prefix), re-prefill the whole context every step, or time both")
+    draft_stop: Literal["calibrated", "probability", "both"] = Field(
+        "calibrated", description="in-process draft model with a kept cache: where a step's draft stops short of "
+                                  "k -- when the estimated probability that the whole draft so far is accepted, "
+                                  "learnt during the run from what the target kept, falls below --draft-confidence "
+                                  "('calibrated'), or after a token whose own probability does ('probability', "
+                                  "transformers' assisted generation); 'both' times the second too, as '<name>-prob'")
     draft_confidence: float | None = Field(
-        DEFAULT_DRAFT_CONFIDENCE, ge=0.0, le=1.0,
-        description="in-process draft model with a kept cache: stop a step's draft after a token it gives less "
-                    "than this probability (fewer, likelier drafts per step; the default is transformers' "
-                    "assistant_confidence_threshold; 0 or null: always k)")
+        None, ge=0.0, le=1.0,
+        description=f"the --draft-stop rule's threshold (null: each rule's default, {DEFAULT_DRAFT_CONFIDENCE}; "
+                    "0: always k)")
     draft_lean: Literal["on", "off", "both"] = Field(
         "on", description="in-process draft model: decode through specdraft.lean (the forward written out, same "
                           "tokens) where it applies, through transformers' forward ('off'), or time both ('both' "
@@ -97,6 +106,11 @@ class SpeculateConfig(StageConfig):
         "wall", description="clock behind tokens/s, speedup and best k (both are recorded): wall, or this "
                             "process's CPU time (use cpu with --threads 1 on a machine shared with other "
                             "jobs; it does not count a draft server's time)")
+
+    def stop_threshold(self, rule: str) -> float:
+        """``draft_confidence``, or the stop rule's default when it is unset."""
+        conf = self.draft_confidence
+        return DEFAULT_DRAFT_CONFIDENCE[rule] if conf is None else conf
 
     @field_validator("also_draft")
     @classmethod
@@ -188,25 +202,59 @@ def _forward(model, ids: Sequence[int], cache, start: int, logits_to_keep: int =
                  use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(model, cache)).logits
 
 
+class AcceptanceCalibration:
+    """How often the target keeps a drafted token, by the draft's own probability for it: per bin of that
+    probability, P(kept | every earlier token of its draft kept), counted over the run.
+
+    A draft's probability alone says little about acceptance: the self-draft (the target packed) has 98% of
+    its tokens with p < 0.4 accepted, the trained 24-layer draft 14-54% (BENCHMARKS.md, "Where a draft stops").
+    Each bin starts from its own probability, as if the draft were calibrated, worth ``prior_weight`` tokens.
+    """
+
+    def __init__(self, bins: int = 10, prior_weight: float = 2.0):
+        self.kept = [(b + 0.5) / bins * prior_weight for b in range(bins)]
+        self.seen = [prior_weight] * bins
+
+    def _bin(self, probability: float) -> int:
+        return min(int(probability * len(self.seen)), len(self.seen) - 1)
+
+    def estimate(self, probability: float) -> float:
+        b = self._bin(probability)
+        return self.kept[b] / self.seen[b]
+
+    def observe(self, probabilities: Sequence[float], kept: int, refused: bool) -> None:
+        """One draft's outcome: its first ``kept`` tokens accepted, and the next one refused when ``refused``.
+        Tokens after a refused one tell nothing: the target never saw their context."""
+        for i, p in enumerate(probabilities[: kept + int(refused)]):
+            b = self._bin(p)
+            self.seen[b] += 1
+            self.kept[b] += i < kept
+
+
 class CachedDraftModel:
     """A draft LM that keeps its KV cache between steps.
 
     ``tokens`` lists the ids whose keys/values are in the cache. Each ``propose`` keeps the longest
     common prefix of ``tokens`` and the new context (the accepted part of the previous draft), crops
-    the rest, feeds only the new tokens, then decodes k tokens greedily one at a time (fewer when a token's
-    probability falls below ``min_confidence``). ``lean``: through ``lean.LeanForward`` where the model allows;
+    the rest, feeds only the new tokens, then decodes k tokens greedily one at a time, fewer when ``stop``
+    says so: "probability", after a token whose probability is below ``min_confidence``; "calibrated", once
+    the estimated probability that every token drafted so far is accepted falls below it (the estimate per
+    token from ``AcceptanceCalibration``, which learns from each new context how much of the previous draft
+    the target kept). ``lean``: through ``lean.LeanForward`` where the model allows;
     ``compile``: its one-token steps through ``torch.compile`` (``lean.CompiledSteps``: faster; logits not
     bit-identical to eager -- harmless here, the target verifies every drafted token).
     """
 
     def __init__(self, model, name: str = "draft", lean: bool = True, min_confidence: float | None = None,
-                 compile: bool = False):
+                 compile: bool = False, stop: Literal["probability", "calibrated"] = "probability"):
         self.model, self.name = model.eval(), name
         self.lean = lean_forward(model, compile=compile) if lean else None
         self.compiled = isinstance(self.lean, CompiledSteps)
-        # Stop drafting after a token whose probability is below this (transformers' assisted generation calls
-        # it assistant_confidence_threshold): its successors are unlikely to be accepted, and each costs a step.
+        # Stopping short of k: each further token costs a draft step and is less likely to be accepted.
         self.min_confidence = min_confidence
+        self.stop = stop
+        # Kept across prompts (``reset``): it describes the draft against this target, not one sequence.
+        self.calibration = AcceptanceCalibration() if stop == "calibrated" else None
         self.reset()
 
     def _forward(self, ids: Sequence[int], start: int) -> torch.Tensor:
@@ -230,6 +278,27 @@ class CachedDraftModel:
         self.cache = DynamicCache(config=self.model.config)
         self.tokens: list[int] = []
         self.fed_tokens = 0  # context tokens run through the draft (prefill + catch-up), for the report
+        self._last_draft: tuple[int, list[int], list[float]] | None = None  # (context length, tokens, probs)
+
+    def _learn(self, context: list[int], common: int) -> None:
+        """What the target did with the previous draft, read off the new context (which holds the target's
+        greedy tokens after the previous one, whoever drafted them)."""
+        start, draft, probs = self._last_draft
+        self._last_draft = None
+        if common < start:  # not a continuation of the context that draft was made for
+            return
+        after = context[start:]
+        kept = accepted_length(draft, after)
+        self.calibration.observe(probs, kept, refused=kept < min(len(draft), len(after)))
+
+    def _stop_after(self, probs: list[float], still_kept: float) -> tuple[bool, float]:
+        """(stop drafting, the estimated probability that every token so far is accepted)."""
+        if not self.min_confidence:
+            return False, still_kept
+        if self.calibration is None:
+            return probs[-1] < self.min_confidence, still_kept
+        still_kept *= self.calibration.estimate(probs[-1])
+        return still_kept < self.min_confidence, still_kept
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int) -> list[int]:
@@ -241,6 +310,8 @@ class CachedDraftModel:
             if a != b:
                 break
             common += 1
+        if self.calibration is not None and self._last_draft is not None:
+            self._learn(context, common)
         common = min(common, len(context) - 1)  # feed at least one token to get the next logits
         _crop_to(self.cache, common)
         del self.tokens[common:]
@@ -248,13 +319,20 @@ class CachedDraftModel:
         logits = self._forward(feed, common)
         self.tokens.extend(feed)
         self.fed_tokens += len(feed)
-        out = [int(logits[0, -1].argmax())]
+        out, probs, still_kept = [int(logits[0, -1].argmax())], [], 1.0
         for _ in range(k - 1):
-            if self.min_confidence is not None and _top_probability(logits) < self.min_confidence:
-                break
+            if self.min_confidence or self.calibration is not None:
+                probs.append(_top_probability(logits))
+                stop, still_kept = self._stop_after(probs, still_kept)
+                if stop:
+                    break
             logits = self._forward(out[-1:], len(self.tokens))
             self.tokens.append(out[-1])
             out.append(int(logits[0, -1].argmax()))
+        if self.calibration is not None:
+            if len(probs) < len(out):  # the last token's probability, not needed to decide
+                probs.append(_top_probability(logits))
+            self._last_draft = (len(context), out, probs)
         return out
 
 
@@ -462,6 +540,8 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
                                           config, target_tokenizer)
         if config.draft_cache in ("keep", "both"):
             out.append(_kept_cache(config, model, source, "draft", lean, compiled))
+            if config.draft_stop == "both":
+                out.append(_kept_cache(config, model, source, "draft-prob", lean, compiled, "probability"))
             if compiled and config.draft_compile == "both":
                 out.append(_kept_cache(config, model, source, "draft-eager", True, False))
             if config.draft_lean == "both":
@@ -475,7 +555,7 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
         base_name, base, base_source = out[0]
         if isinstance(base, CachedDraftModel):
             base = CachedDraftModel(base.model, base_name, lean=base.lean is not None,
-                                    min_confidence=base.min_confidence, compile=base.compiled)
+                                    min_confidence=base.min_confidence, compile=base.compiled, stop=base.stop)
         out.append(("draft+lookup", HybridProposer(base, config.hybrid_min_ngram, "draft+lookup"),
                     {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "draft": base_source}))
     if config.baseline_lookup and spec != "lookup":
@@ -485,6 +565,8 @@ def build_proposers(config: SpeculateConfig, target_tokenizer) -> list[tuple[str
         model, source = _in_process_draft(path, f"--also-draft {name} {path!r}: not a directory", config,
                                           target_tokenizer)
         out.append(_kept_cache(config, model, source, name, lean, compiled))
+        if config.draft_stop == "both":
+            out.append(_kept_cache(config, model, source, f"{name}-prob", lean, compiled, "probability"))
     return out
 
 
@@ -501,11 +583,14 @@ def _in_process_draft(path: str, not_a_dir: str, config: SpeculateConfig, target
     return model, {"kind": "in-process", **source}
 
 
-def _kept_cache(config: SpeculateConfig, model, source: dict, name: str, lean: bool,
-                compile: bool) -> tuple[str, Any, dict]:
-    conf = config.draft_confidence
-    return (name, CachedDraftModel(model, name, lean=lean, min_confidence=conf, compile=compile),
-            {**source, "draft_cache": "keep", "lean": lean, "compile": compile, "min_confidence": conf})
+def _kept_cache(config: SpeculateConfig, model, source: dict, name: str, lean: bool, compile: bool,
+                stop: str | None = None) -> tuple[str, Any, dict]:
+    """``stop``: the stop rule (None: the config's; with ``draft_stop`` "both", the calibrated one)."""
+    stop = stop or ("calibrated" if config.draft_stop == "both" else config.draft_stop)
+    conf = config.stop_threshold(stop)
+    return (name, CachedDraftModel(model, name, lean=lean, min_confidence=conf, compile=compile, stop=stop),
+            {**source, "draft_cache": "keep", "lean": lean, "compile": compile, "stop": stop,
+             "min_confidence": conf})
 
 
 # -------------------------------------------------------------------------------------------- stage
@@ -638,6 +723,25 @@ def run_speculation_bench(target, proposers: list[tuple[str, Any, dict]], prompt
     }
 
 
+def _stop_rule_text(cfg: dict[str, Any]) -> str:
+    """The in-process drafts' stop rule as a clause of the report's first line ('' when they always draft k)."""
+    rule, threshold = cfg.get("draft_stop"), cfg.get("draft_confidence")
+    if rule is None:  # a report from before the calibrated rule: its threshold alone, null meaning always k
+        rule, threshold = "probability", threshold or 0.0
+
+    def clause(rule: str) -> str:
+        t = DEFAULT_DRAFT_CONFIDENCE[rule] if threshold is None else threshold
+        if rule == "calibrated":
+            return f"once the estimated probability that all of it is accepted (calibrated during the run) is < {t}"
+        return f"after a token it gives p < {t}"
+
+    if threshold == 0:
+        return ""
+    if rule == "both":
+        return f"; an in-process draft stops a step's draft {clause('calibrated')} ('-prob': {clause('probability')})"
+    return f"; an in-process draft stops a step's draft {clause(rule)}"
+
+
 def speculate_markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     base = report["baseline"]
@@ -645,8 +749,7 @@ def speculate_markdown(report: dict[str, Any]) -> str:
              f"Target `{cfg['target']}`, draft `{cfg['draft']}`, {report['prompts']} prompts, "
              f"max {cfg['max_new_tokens']} new tokens, target dtype {cfg['dtype']}, "
              f"draft compute {cfg['draft_compute']}, torch threads {report['threads']}"
-             + (f"; an in-process draft stops a step's draft after a token it gives p < {cfg['draft_confidence']}"
-                if cfg.get("draft_confidence") else "")
+             + _stop_rule_text(cfg)
              + ("; its decode steps compiled (torch.compile)" if cfg.get("draft_compile", "off") != "off"
                 and cfg.get("draft_lean") != "off" else "") + ".", "",
              f"Clock: **{report['clock']}** (tokens/s, speedup and best k use it; the other is in the JSON"
