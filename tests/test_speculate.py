@@ -306,6 +306,22 @@ def test_run_speculate_flags_a_mismatch(tmp_path, tiny_qwen3_dir, monkeypatch):
     assert not report["lossless"] and report["mismatches"]
 
 
+def test_run_speculate_keeps_its_measurements_when_rendering_fails(tmp_path, tiny_qwen3_dir, monkeypatch):
+    import specdraft.speculate as spec
+
+    def broken_markdown(report):
+        raise KeyError("a rendering bug")
+
+    monkeypatch.setattr(spec, "speculate_markdown", broken_markdown)
+    cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft="lookup", prompts=_prompt_file(tmp_path),
+                          out=tmp_path / "o", max_new_tokens=6, k=[2, 4], warmup=False)
+    with pytest.raises(KeyError, match="a rendering bug"):
+        run_speculate(cfg)
+    report = json.loads((tmp_path / "o" / "speculate.json").read_text())
+    assert report["lossless"] and set(report["drafters"]["lookup"]["per_k"]) == {"2", "4"}
+    assert "provenance" not in report  # the complete report is written once everything is rendered
+
+
 def test_config_k_and_cli_alias(tmp_path):
     from specdraft.cli import _stage_parser
     from specdraft.config import config_from_args

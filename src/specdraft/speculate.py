@@ -828,6 +828,9 @@ def run_speculate(config: SpeculateConfig) -> int:
         report: dict[str, Any] = {"config": config.to_json_dict(), "note": config.note, "prompts": len(prompts),
                                   "threads": torch.get_num_threads(), **result,
                                   "compile_errors": _compile_errors(proposers)}
+        # the measurements first: a failure while rendering them must not lose a long run (rewritten below with
+        # the rendered files' records)
+        atomic_write_json(out / "speculate.json", report)
         report["plot"] = plots.plot_throughput_by_k(
             {name: {int(k): row["tokens_per_s"] for k, row in res["per_k"].items()}
              for name, res in result["drafters"].items()},
