@@ -65,7 +65,7 @@ SELF_DRAFT_EMBEDDING = "f16"
 BUDGETS: dict[str, Budget] = {
     "small": Budget(trace_prompts=96, trace_tokens=64, draft_init=DRAFT_INIT, epochs=2, lr=5e-4,
                     freeze_layers=FROZEN_LAYERS, val_prompts=16, val_tokens=64, spec_prompts=3, spec_tokens=48,
-                    spec_k=[2, 4, 8], qat=True, compile_drafts=False),
+                    qat=True, compile_drafts=False),
     "default": Budget(trace_prompts=480, trace_tokens=128, draft_init=DRAFT_INIT, epochs=3, lr=5e-4,
                       freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=128, spec_prompts=8, spec_tokens=96,
                       gptq=True),
