@@ -80,15 +80,15 @@ def simulate(rows: list[dict], step_ms: float, verify_ms: dict[int, float], k: i
             "drafted_per_step": drafted / len(rows)}
 
 
-def calibration(rows: list[dict], bins: int = 10, prior_weight: float = 2.0) -> list[float]:
-    """Acceptance rate per bin of the draft's probability, given every earlier token accepted: what
-    ``speculate.AcceptanceCalibration`` learns during a run, counted here over ``rows`` at once."""
+def calibration(rows: list[dict]):
+    """``speculate.AcceptanceCalibration`` (the acceptance rate per bin of the draft's probability, given every
+    earlier token accepted) as a run learns it, counted here over ``rows`` at once."""
     from specdraft.speculate import AcceptanceCalibration
 
-    cal = AcceptanceCalibration(bins, prior_weight)
+    cal = AcceptanceCalibration()
     for row in rows:
         cal.observe(row["probs"], row["accepted"], refused=row["accepted"] < len(row["probs"]))
-    return [cal.kept[b] / cal.seen[b] for b in range(bins)]
+    return cal
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         del model
         rows = collect(draft_dir, points)
         learn, score = rows[::2], rows[1::2]
-        rates = calibration(learn)
+        cal = calibration(learn)
+        bins = len(cal.seen)
+        rates = [cal.estimate((b + 0.5) / bins) for b in range(bins)]  # for the report
 
         def still_kept(probs: list[float]) -> float:
-            return float(np.prod([rates[min(int(p * len(rates)), len(rates) - 1)] for p in probs]))
+            return float(np.prod([cal.estimate(p) for p in probs]))
 
         rules = {"always k": lambda probs: False}
         for t in (0.2, 0.4, 0.6, 0.8):

@@ -253,8 +253,9 @@ class CachedDraftModel:
         # Stopping short of k: each further token costs a draft step and is less likely to be accepted.
         self.min_confidence = min_confidence
         self.stop = stop
-        # Kept across prompts (``reset``): it describes the draft against this target, not one sequence.
-        self.calibration = AcceptanceCalibration() if stop == "calibrated" else None
+        # Kept across prompts (``reset``): it describes the draft against this target, not one sequence. None
+        # without a threshold: a draft that always drafts k has nothing to decide with it.
+        self.calibration = AcceptanceCalibration() if stop == "calibrated" and min_confidence else None
         self.reset()
 
     def _forward(self, ids: Sequence[int], start: int) -> torch.Tensor:
@@ -292,9 +293,7 @@ class CachedDraftModel:
         self.calibration.observe(probs, kept, refused=kept < min(len(draft), len(after)))
 
     def _stop_after(self, probs: list[float], still_kept: float) -> tuple[bool, float]:
-        """(stop drafting, the estimated probability that every token so far is accepted)."""
-        if not self.min_confidence:
-            return False, still_kept
+        """(stop drafting, the estimated probability that every token so far is accepted); with a threshold."""
         if self.calibration is None:
             return probs[-1] < self.min_confidence, still_kept
         still_kept *= self.calibration.estimate(probs[-1])
@@ -321,7 +320,7 @@ class CachedDraftModel:
         self.fed_tokens += len(feed)
         out, probs, still_kept = [int(logits[0, -1].argmax())], [], 1.0
         for _ in range(k - 1):
-            if self.min_confidence or self.calibration is not None:
+            if self.min_confidence:
                 probs.append(_top_probability(logits))
                 stop, still_kept = self._stop_after(probs, still_kept)
                 if stop:
