@@ -1,5 +1,6 @@
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -144,6 +145,28 @@ def test_tokenizer_mismatch_is_refused(tiny_traces, tiny_target, tmp_path):
     other = build_tiny_model(tmp_path / "other", "llama", vocab_size=300)
     with pytest.raises(ValueError, match="tokenizer differs"):
         run_train(_cfg(tiny_traces, tiny_target, tmp_path / "x", init=str(other)))
+
+
+@pytest.mark.parametrize("line, says", [
+    ('{"id": "a", "prompt_ids": [1, 2], "completion_ids": [3, 4]', "traces.jsonl:2: not JSON"),
+    ('[1, 2, 3]', "traces.jsonl:2: expected a JSON object with an 'id'"),
+    ('{"id": "a", "prompt_ids": [1, 2]}', "traces.jsonl:2: field 'completion_ids' must be a list of token ids"),
+    ('{"id": "a", "prompt_ids": [1, 2], "completion_ids": "34"}', "field 'completion_ids' must be a list"),
+    ('{"id": "a", "prompt_ids": [1, -2], "completion_ids": [3]}', "field 'prompt_ids' must be a list"),
+    ('{"id": "a", "prompt_ids": [1], "completion_ids": [3, 4], "target_ids": [5]}', "1 target_ids for 2"),
+])
+def test_a_bad_traces_row_is_refused_with_its_line_and_field(tmp_path, line, says):
+    path = tmp_path / "traces.jsonl"
+    path.write_text('{"id": "ok", "prompt_ids": [1, 2], "completion_ids": [3, 4]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=re.escape(says)):
+        read_traces(path, 64)
+
+
+def test_traces_beyond_the_drafts_vocab_are_refused(tiny_traces, tiny_target, tmp_path):
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(json.dumps({"id": "h", "prompt_ids": [1, 2], "completion_ids": [3, 10_000]}) + "\n")
+    with pytest.raises(ValueError, match="heldout.jsonl uses token id 10000 but the draft's vocab has"):
+        run_train(_cfg(tiny_traces, tiny_target, tmp_path / "x", heldout_traces=str(heldout)))
 
 
 def test_qat_computes_on_the_packed_weights_and_still_learns(tiny_target):

@@ -146,18 +146,35 @@ class Example:
         return self.input_ids[self.prompt_len:]
 
 
+def _token_ids(rec: dict, field: str, where: str) -> list[int]:
+    ids = rec.get(field)
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"{where}: field {field!r} must be a list of token ids (integers >= 0), "
+                         f"got {type(ids).__name__}")
+    return ids
+
+
 def read_traces(path: str | Path, max_seq_len: int) -> list[Example]:
     """Greedy traces, or teacher-forced labels (rows with ``target_ids``, one per completion token)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such traces file")
     examples = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
-            prompt, completion = list(rec["prompt_ids"]), list(rec["completion_ids"])
-            targets = rec.get("target_ids")
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or "id" not in rec:
+                raise ValueError(f"{where}: expected a JSON object with an 'id'")
+            prompt, completion = _token_ids(rec, "prompt_ids", where), _token_ids(rec, "completion_ids", where)
+            targets = _token_ids(rec, "target_ids", where) if rec.get("target_ids") is not None else None
             if targets is not None and len(targets) != len(completion):
-                raise ValueError(f"{path}:{lineno}: {len(targets)} target_ids for {len(completion)} completion ids")
+                raise ValueError(f"{where}: {len(targets)} target_ids for {len(completion)} completion ids")
             if not completion:
                 continue
             completion = completion[: max_seq_len - 1]
@@ -167,6 +184,12 @@ def read_traces(path: str | Path, max_seq_len: int) -> list[Example]:
     if not examples:
         raise ValueError(f"{path}: no usable traces")
     return examples
+
+
+def _check_vocab(examples: list[Example], path, vocab_size: int) -> None:
+    max_id = max(max(max(ex.input_ids), max(ex.targets or [0])) for ex in examples)
+    if max_id >= vocab_size:
+        raise ValueError(f"{path} uses token id {max_id} but the draft's vocab has {vocab_size}")
 
 
 def split_heldout(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:
@@ -369,21 +392,17 @@ def run_train(cfg: TrainConfig) -> dict:
         model, tokenizer, init_source = build_init(cfg.init)
         _check_tokenizer(tokenizer, target_spec, model)
         examples = read_traces(traces_path, cfg.max_seq_len)
-        max_id = max(max(ex.input_ids) for ex in examples)
-        if max_id >= model.config.vocab_size:
-            raise ValueError(f"traces use token id {max_id} but the draft's vocab has {model.config.vocab_size}")
+        _check_vocab(examples, traces_path, model.config.vocab_size)
         train_set, heldout = split_heldout(examples, cfg.heldout_fraction)
         if cfg.heldout_traces:
             heldout = read_traces(cfg.heldout_traces, cfg.max_seq_len)
+            _check_vocab(heldout, cfg.heldout_traces, model.config.vocab_size)
         if any(ex.targets is not None for ex in heldout):
             raise ValueError("held-out examples must be greedy traces (simulated acceptance compares drafts with "
                              "the completion): pass teacher-forced labels as --labels, not as traces")
         labelled = read_traces(cfg.labels, cfg.max_seq_len) if cfg.labels else []
         if labelled:
-            max_id = max(max(max(ex.input_ids), max(ex.targets or [0])) for ex in labelled)
-            if max_id >= model.config.vocab_size:
-                raise ValueError(f"{cfg.labels} uses token id {max_id} but the draft's vocab has "
-                                 f"{model.config.vocab_size}")
+            _check_vocab(labelled, cfg.labels, model.config.vocab_size)
             labels_target = _target_spec_from_summary(_labels_summary(cfg.labels))
             if labels_target and labels_target != target_spec:
                 raise ValueError(f"{cfg.labels} was labelled by {labels_target}, not by the target {target_spec}")
