@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -27,6 +29,21 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(params=["qwen3", "llama"])
 def tiny_model_dir(request, tiny_qwen3_dir, tiny_llama_dir):
     return {"qwen3": tiny_qwen3_dir, "llama": tiny_llama_dir}[request.param]
+
+
+@pytest.fixture
+def int4_kernel_calls():
+    """``with int4_kernel_calls() as calls:`` records the arguments of every ``_weight_int4pack_mm_for_cpu``
+    call inside the block (the kernel still runs): x is ``args[0]``, the packed codes ``args[1]``."""
+    @contextlib.contextmanager
+    def recording():
+        calls, real = [], torch.ops.aten._weight_int4pack_mm_for_cpu
+        torch.ops.aten._weight_int4pack_mm_for_cpu = lambda *args: calls.append(args) or real(*args)
+        try:
+            yield calls
+        finally:
+            torch.ops.aten._weight_int4pack_mm_for_cpu = real
+    return recording
 
 
 def pytest_collection_modifyitems(config, items):

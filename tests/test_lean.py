@@ -76,19 +76,16 @@ def test_slot_decoder_steps_equal_with_and_without_lean(tiny_model_dir):
     assert SlotDecoder(model, 2, 64, 4, set(), lean=False).lean is None
 
 
-def test_int4_draft_batch_and_cached_draft_equal_with_and_without_lean(packed_dir):
+def test_int4_draft_batch_and_cached_draft_equal_with_and_without_lean(packed_dir, int4_kernel_calls):
     from specdraft.server.engine import Int4Linear, load_engine
 
     model = load_engine(packed_dir, None, "int4").model
     layers = len(model.model.layers)
     prompts = _prompts(model.config.vocab_size, [4, 30, 1, 12], seed=4)
     assert lean_forward(model) is not None  # built (and its fusion probed) before the kernel calls are counted
-    rows, real = [], torch.ops.aten._weight_int4pack_mm_for_cpu
-    try:
-        torch.ops.aten._weight_int4pack_mm_for_cpu = lambda *a: rows.append(a[1].shape[0]) or real(*a)
+    with int4_kernel_calls() as calls:
         lean = draft_batch(model, prompts, 6)
-    finally:
-        torch.ops.aten._weight_int4pack_mm_for_cpu = real
+    rows = [args[1].shape[0] for args in calls]  # output features of each call's codes
     assert lean == draft_batch(model, prompts, 6, lean=False)
     assert lean == [draft_batch(model, [p], 6)[0] for p in prompts]  # batched equals alone
     # Each decode step: q/k/v as one call on their concatenated codes, then o, gate, up, down, and the head.

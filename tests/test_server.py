@@ -241,7 +241,7 @@ def test_compute_formats_on_a_packed_model(packed_dir):
     assert same >= 2
 
 
-def test_int4_prefill_runs_dense_bf16_and_decode_runs_the_codes(packed_dir):
+def test_int4_prefill_runs_dense_bf16_and_decode_runs_the_codes(packed_dir, int4_kernel_calls):
     from specdraft.decode import decode_step, left_pad, prefill
     engine = load_engine(packed_dir, None, "int4")
     layers = [m for m in engine.model.modules() if isinstance(m, Int4Linear)]
@@ -249,18 +249,13 @@ def test_int4_prefill_runs_dense_bf16_and_decode_runs_the_codes(packed_dir):
     assert head.phase is None and head.rescore_top_k > 0  # one row per sequence in both passes
     body = [m for m in layers if m is not head]
     assert body and all(m.phase is body[0].phase and m.dense.dtype == torch.bfloat16 for m in body)
-    calls = []
-    real = torch.ops.aten._weight_int4pack_mm_for_cpu
     ids, mask = left_pad([[5, 6, 7, 8], [9]], pad_id=0)
-    try:
-        torch.ops.aten._weight_int4pack_mm_for_cpu = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    with int4_kernel_calls() as calls:
         token, state = prefill(engine.model, ids, mask)
-        assert body[0].phase.prefill and calls == [2]  # prefill: only the head (2 rows) ran on the codes
-        calls.clear()
+    assert body[0].phase.prefill and [a[0].shape[0] for a in calls] == [2]  # prefill: only the head (2 rows)
+    with int4_kernel_calls() as calls:
         decode_step(engine.model, token, state)
-        assert not body[0].phase.prefill and calls == [2] * len(layers)
-    finally:
-        torch.ops.aten._weight_int4pack_mm_for_cpu = real
+    assert not body[0].phase.prefill and [a[0].shape[0] for a in calls] == [2] * len(layers)
     # The same through draft_batch (whatever engine decode.py picks), with a one-token context:
     forwards = []
     engine.model.register_forward_pre_hook(
@@ -270,12 +265,8 @@ def test_int4_prefill_runs_dense_bf16_and_decode_runs_the_codes(packed_dir):
     assert lean_forward(engine.model) is not None  # built before counting (its fusion probe calls the kernel)
     for lean in (False, True):
         forwards.clear()
-        try:
-            torch.ops.aten._weight_int4pack_mm_for_cpu = lambda *a: calls.append(a[0].shape[0]) or real(*a)
-            calls.clear()
+        with int4_kernel_calls() as calls:
             draft_batch(engine.model, [[5, 6, 7, 8], [9]], 3, lean=lean)
-        finally:
-            torch.ops.aten._weight_int4pack_mm_for_cpu = real
         prefills, steps = forwards.count(True), forwards.count(False)
         # the 2 decode steps run every linear on its codes, through model(...) or the lean forward
         assert steps == (0 if lean else 2)

@@ -112,7 +112,7 @@ def test_cached_draft_model_equals_draft_batch(models):
             ctx = ctx + got[: rng.randrange(0, k + 1)] + [rng.randrange(3, 300)]
 
 
-def test_cached_int4_draft_catches_up_on_the_codes(tiny_llama_dir):
+def test_cached_int4_draft_catches_up_on_the_codes(tiny_llama_dir, int4_kernel_calls):
     """A catch-up of a few tokens (accepted drafts + the bonus token) runs on the int4 kernel, like a decode
     step, not on the dense bf16 copy the context prefill uses (4x the bytes at a few rows) -- through the lean
     forward and through the model's own (``server.engine.is_prefill``)."""
@@ -125,12 +125,9 @@ def test_cached_int4_draft_catches_up_on_the_codes(tiny_llama_dir):
     for lean in (True, False):
         cached = CachedDraftModel(draft, lean=lean)
         got = cached.propose(ctx, 3)
-        rows, real = [], torch.ops.aten._weight_int4pack_mm_for_cpu
-        try:
-            torch.ops.aten._weight_int4pack_mm_for_cpu = lambda *a: rows.append(a[0].shape[0]) or real(*a)
+        with int4_kernel_calls() as calls:
             cached.propose(ctx + got + [11], 2)  # feeds got[-1] and 11: two tokens at positions 8, 9
-        finally:
-            torch.ops.aten._weight_int4pack_mm_for_cpu = real
+        rows = [args[0].shape[0] for args in calls]
         head_calls = 2  # the head runs on the codes in every pass (one row per forward: logits_to_keep=1)
         assert sorted(rows) == sorted([2] * len(body) + [1] * len(body) + [1] * head_calls), lean
 
