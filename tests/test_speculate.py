@@ -231,6 +231,10 @@ def test_load_prompts_formats(tmp_path, tiny_qwen3_dir):
     path.write_text(json.dumps({"id": "x", "text": "no prompt field"}) + "\n")
     with pytest.raises(ValueError, match=r"p.jsonl:1: no prompt"):
         load_prompts(path, tok)
+    for ids in ([1, -5], [1, len(tok)], [1, True], [1, 2.0]):  # ids the target could not embed
+        path.write_text(json.dumps({"id": "t", "prompt_ids": ids}) + "\n")
+        with pytest.raises(ValueError, match=r"p.jsonl:1: field 'prompt_ids' must be a non-empty list of token ids"):
+            load_prompts(path, tok)
 
 
 def _prompt_file(tmp_path):

@@ -142,6 +142,22 @@ def test_traces_resume_after_torn_line(tiny, tmp_path, caplog):
     assert [r["prompts"] for r in last.summary_data["runs"]] == [6, 3, 0]
 
 
+def test_resuming_over_a_foreign_row_is_refused_before_decoding(tiny, tmp_path):
+    prompts = _write_prompts(tmp_path / "prompts.jsonl", 4)
+    out = tmp_path / "traces.jsonl"
+    cfg = dict(target=str(tiny[0]), prompts=prompts, out=out, max_new_tokens=4, batch_size=2)
+    run_traces(TracesConfig(**cfg, limit=2))
+    written = out.read_text()
+    for row, says in [('["p9"]', "a JSON object with a string 'id'"), ('{"id": ["p9"]}', "string 'id'"),
+                      ('{"id": "p9", "prompt_ids": 5, "completion_ids": [1], "finish_reason": "eos"}',
+                       r"field\(s\) \['prompt_ids'\] missing or of the wrong type"),
+                      ('{"id": "p9", "prompt_ids": [5], "completion_ids": [1]}', r"\['finish_reason'\]")]:
+        out.write_text(written + row + "\n")
+        with pytest.raises(TracesError, match=f"traces.jsonl:3: .*{says}"):
+            run_traces(TracesConfig(**cfg))
+        assert out.read_text() == written + row + "\n"  # nothing decoded, nothing lost
+
+
 def test_traces_killed_subprocess_resumes(tiny, tmp_path):
     prompts = _write_prompts(tmp_path / "prompts.jsonl", 24)
     out = tmp_path / "traces.jsonl"

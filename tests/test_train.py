@@ -45,8 +45,9 @@ def test_parse_truncate_spec():
     assert parse_truncate_spec("truncate:embedded:smollm2-135m-instruct:4") == ("embedded:smollm2-135m-instruct", 4)
     assert parse_truncate_spec("truncate:/x/y:0,2,5") == ("/x/y", [0, 2, 5])
     assert parse_truncate_spec("/plain/dir") is None
-    with pytest.raises(ValueError):
-        parse_truncate_spec("truncate:4")
+    for bad in ("truncate:4", "truncate:/x/y:two", "truncate:/x/y:1,,2"):
+        with pytest.raises(ValueError, match="--init .*expected truncate:TARGET_SPEC:N"):
+            parse_truncate_spec(bad)
 
 
 def test_truncate_keeps_chosen_layers(tiny_target):
@@ -139,6 +140,20 @@ def test_resume_after_interruption_matches_uninterrupted_run(tiny_traces, tiny_t
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_refuses_a_corrupt_checkpoint_with_its_path(tiny_traces, tiny_target, tmp_path):
+    cfg = _cfg(tiny_traces, tiny_target, tmp_path / "run", max_steps=2, eval_every=2)
+    run_train(cfg)
+    last = tmp_path / "run" / "last"
+    weights = last / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    with pytest.raises(ValueError, match=f"cannot resume: corrupt weight file: {weights}: truncated"):
+        run_train(cfg)
+    state = json.loads((last / "trainer_state.json").read_text())
+    (last / "trainer_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "config"}))
+    with pytest.raises(ValueError, match="trainer_state.json: not a trainer state"):
+        run_train(cfg)
 
 
 def test_tokenizer_mismatch_is_refused(tiny_traces, tiny_target, tmp_path):

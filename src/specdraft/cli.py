@@ -92,11 +92,11 @@ def main(argv: list[str] | None = None) -> int:
 def _models_show(spec: str, as_json: bool) -> int:
     import json
 
-    from .models import ModelSpecError, model_summary
+    from .models import model_summary
 
     try:
         summary = model_summary(spec)
-    except ModelSpecError as e:
+    except (ValueError, OSError) as e:  # a bad spec (ModelSpecError), an unreadable config.json or weights
         print(f"error: {e}", file=sys.stderr)
         return 2
     if as_json:

@@ -19,7 +19,9 @@ class StageConfig(BaseModel):
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any):
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        from .provenance import read_json
+
+        data = read_json(path)  # a JSON object, or a ValueError naming the file
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)
 

@@ -103,8 +103,10 @@ def parse_point(obj: Mapping[str, Any], k: int, where: str = "point") -> Validat
     for field in ("id", "context_ids", "target_ids"):
         if field not in obj:
             raise ValidationFileError(f"{where}: missing field {field!r}")
-    return ValidationPoint(id=str(obj["id"]), category=str(obj.get("category") or "all"),
-                           offset=int(obj.get("offset", 0)),
+    offset = obj.get("offset", 0)
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise ValidationFileError(f"{where}: field 'offset' must be an integer >= 0, got {offset!r}")
+    return ValidationPoint(id=str(obj["id"]), category=str(obj.get("category") or "all"), offset=offset,
                            context_ids=_int_list(obj["context_ids"], where, "context_ids", 1),
                            target_ids=_int_list(obj["target_ids"], where, "target_ids", k))
 

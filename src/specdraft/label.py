@@ -29,7 +29,7 @@ from pydantic import Field
 from .config import StageConfig
 from .models import DEFAULT_TARGET
 from .provenance import atomic_write_json, read_json, run_metadata, sha256_file, stage_log
-from .traces import (StageResult, TracesError, _check_resume, _peak_rss_mb, _Progress, _resolve_device,
+from .traces import (LABEL_FIELDS, StageResult, TracesError, _check_resume, _peak_rss_mb, _Progress, _resolve_device,
                      _side_paths, _trace_ids, encode_prompts, has_chat_template, jsonl_dumps, read_jsonl, repair_jsonl)
 
 log = logging.getLogger("specdraft.label")
@@ -139,7 +139,7 @@ def _run_label(cfg: LabelConfig, out: Path, summary_path: Path, log_path: Path) 
     rows, total_in_file = read_answers(cfg.prompts, cfg.limit)
     repair_jsonl(out)
     out.touch()
-    done = _trace_ids(out)  # the traces stage's reader: ids, a duplicate refused
+    done = _trace_ids(out, LABEL_FIELDS)  # the traces stage's reader: ids and fields checked, a duplicate refused
     target = describe_source(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
     template = has_chat_template(tokenizer)

@@ -61,17 +61,23 @@ def resolve_model(spec: str | os.PathLike) -> Path:
     """Return a local HF model directory for ``spec`` (see module docstring)."""
     spec = str(spec)
     if spec.startswith("hub:"):
-        return _resolve_hub(spec)
-    if spec.startswith("embedded:"):
-        return _resolve_embedded(spec)
-    path = Path(spec).expanduser()
-    if not path.is_dir():
-        raise ModelSpecError(f"model spec {spec!r}: no such directory (use a local HF directory, "
-                             "hub:ORG/NAME@REVISION or embedded:NAME)")
-    missing = missing_model_files(path)
-    if missing:
-        raise ModelSpecError(f"model spec {spec!r}: {path} is not a complete model directory: "
-                             + "; ".join(missing))
+        path = _resolve_hub(spec)
+    elif spec.startswith("embedded:"):
+        path = _resolve_embedded(spec)
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_dir():
+            raise ModelSpecError(f"model spec {spec!r}: no such directory (use a local HF directory, "
+                                 "hub:ORG/NAME@REVISION or embedded:NAME)")
+        missing = missing_model_files(path)
+        if missing:
+            raise ModelSpecError(f"model spec {spec!r}: {path} is not a complete model directory: "
+                                 + "; ".join(missing))
+    corrupt = weight_file_problems(path)
+    if corrupt:
+        raise ModelSpecError(f"model spec {spec!r}: corrupt weight file: " + "; ".join(corrupt))
+    from .qd4 import load_config
+    load_config(path)  # a config transformers cannot use fails here, naming the file, not deep in from_pretrained
     return path
 
 
@@ -232,6 +238,45 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     model_dir = Path(model_dir)
     files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
     return files
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file cannot be loaded as it is (None when its header is sound and the file is exactly
+    as long as the header says): read from the header alone, so a truncated download or copy is refused before
+    transformers builds a model around it."""
+    size = path.stat().st_size
+    if size < 8:
+        return f"{size} bytes: shorter than the 8-byte header length"
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        if header_len > size - 8:
+            return f"truncated: the header claims {header_len:,} bytes, {size - 8:,} follow its length"
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return f"the header is not JSON ({e})"
+    if not isinstance(header, dict):
+        return "the header is not a JSON object"
+    offsets = [entry.get("data_offsets") if isinstance(entry, dict) else None
+               for name, entry in header.items() if name != "__metadata__"]
+    if not all(isinstance(o, list) and len(o) == 2 and all(isinstance(x, int) for x in o) for o in offsets):
+        return "a tensor's data_offsets are not two integers"
+    expected = 8 + header_len + max((end for _, end in offsets), default=0)
+    if size < expected:
+        return f"truncated: {size:,} bytes, the header's tensors need {expected:,}"
+    if size > expected:
+        return f"{size - expected:,} bytes after the last tensor (expected {expected:,} bytes in all)"
+    return None
+
+
+def weight_file_problems(model_dir: str | os.PathLike) -> list[str]:
+    """``path: reason`` for each safetensors file of a model dir that cannot be loaded as it is."""
+    problems = []
+    for path in weight_files(model_dir):
+        reason = safetensors_problem(path) if path.suffix == ".safetensors" else None
+        if reason:
+            problems.append(f"{path}: {reason}")
+    return problems
 
 
 def weights_sha256(model_dir: str | os.PathLike) -> str | None:

@@ -419,8 +419,6 @@ def load_packed_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.f
     config.json, then the payload sha256. Then the model is built from config.json without initialising
     weights, filled with ``load_state_dict(assign=True)`` and re-tied.
     """
-    from transformers import AutoConfig
-
     started = time.time()
     model_dir = Path(model_dir)
     arch_path = model_dir / ARCHITECTURE_FILE
@@ -435,8 +433,8 @@ def load_packed_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.f
     if size != arch.get("bytes"):
         raise QD4Error(weight, f"byte count {size} does not match {ARCHITECTURE_FILE} ({arch.get('bytes')})")
     try:
-        config = AutoConfig.from_pretrained(model_dir)
-    except (OSError, ValueError) as e:
+        config = qd4.load_config(model_dir)
+    except ValueError as e:
         raise QD4Error(model_dir / "config.json", f"unreadable config ({e})") from e
     expected = {n: tuple(t.shape) for n, t in qd4.stored_tensors(qd4.meta_model(config)).items()}
     _check_directory(weight, header, expected)

@@ -81,9 +81,19 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON object from a file: every record and sidecar here is one. Invalid JSON, bytes that are not UTF-8
+    or another JSON value raise ValueError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
 
 
 def package_versions(names: Iterable[str] = TRACKED_PACKAGES) -> dict[str, str | None]:

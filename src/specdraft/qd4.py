@@ -834,22 +834,47 @@ def source_dtype_name(config) -> str:
 
 def load_config(config: Any):
     """A transformers config from a config object, a dict, a config.json path or a model directory."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import PretrainedConfig
     if isinstance(config, PretrainedConfig):
         return config
     if isinstance(config, Mapping):
-        data = dict(config)
-        return AutoConfig.for_model(data.pop("model_type"), **data)
-    path = Path(config)
-    if path.is_dir():
-        return AutoConfig.from_pretrained(path)
+        return _checked_config(dict(config), "config")
+    given = Path(config)
+    path = given / "config.json" if given.is_dir() else given
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a readable config.json ({e})") from e
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"{path}: not a model config.json (no model_type)")
-    return AutoConfig.for_model(data.pop("model_type"), **data)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a model config.json (not a JSON object)")
+    # a model directory through from_pretrained, as transformers reads it when it loads the model
+    return _checked_config(data, str(path), directory=given if given.is_dir() else None)
+
+
+# the sizes a packed model is built from: a bad one would fail deep inside model construction
+_CONFIG_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "vocab_size", "head_dim")
+
+
+def _checked_config(data: dict, where: str, directory: Path | None = None):
+    """The config of a config.json's fields (``AutoConfig.for_model``, or ``from_pretrained`` of ``directory``),
+    its errors (transformers raises ValueError, KeyError or huggingface_hub's strict-dataclass errors for a wrong
+    type) as ValueError naming the file."""
+    from transformers import AutoConfig
+    data = dict(data)
+    if "model_type" not in data:
+        raise ValueError(f"{where}: not a model config.json (no model_type)")
+    bad = [f"{k}={data[k]!r}" for k in _CONFIG_SIZES
+           if data.get(k) is not None and (not isinstance(data[k], int) or isinstance(data[k], bool) or data[k] <= 0)]
+    if bad:
+        raise ValueError(f"{where}: sizes must be positive integers: {', '.join(bad)}")
+    try:
+        if directory is not None:
+            return AutoConfig.from_pretrained(directory)
+        return AutoConfig.for_model(data.pop("model_type"), **data)
+    except Exception as e:  # whatever transformers' own validation raises, the file is what is wrong
+        raise ValueError(f"{where}: not a usable model config ({type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0]})") from e
 
 
 def estimate_packed_bytes(config: Any, group_size: int = DEFAULT_GROUP_SIZE, *, embedding_encoding: str = "q4g",

@@ -86,9 +86,11 @@ def check_weight_file(model_dir: Path, checks: Checks) -> None:
     except (OSError, ValueError) as e:
         checks.add("architecture.json readable", False, f"{arch_path}: {e}")
         return
-    missing = [k for k in ("weight_file", "bytes", "sha256") if k not in arch]
-    if not checks.add("architecture.json readable", not missing,
-                      f"missing keys {missing}" if missing else f"weight_file={arch['weight_file']}"):
+    kinds = {"weight_file": str, "bytes": int, "sha256": str}
+    bad = [f"{k} (missing)" if k not in arch else f"{k} (not {kind.__name__}: {arch[k]!r})"
+           for k, kind in kinds.items() if not isinstance(arch.get(k), kind) or isinstance(arch.get(k), bool)]
+    if not checks.add("architecture.json readable", not bad,
+                      f"{arch_path}: bad keys {bad}" if bad else f"weight_file={arch['weight_file']}"):
         return
     weight = model_dir / str(arch["weight_file"])
     if not weight.is_file():
@@ -331,8 +333,8 @@ def run_selfcheck(config: SelfcheckConfig) -> int:
         vocab = None
         try:
             vocab = int(read_json(model_dir / "config.json")["vocab_size"])
-        except (OSError, ValueError, KeyError) as e:
-            checks.add("config.json has vocab_size", False, f"{model_dir / 'config.json'}: {e}")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            checks.add("config.json has vocab_size", False, f"{model_dir / 'config.json'}: {e!r}")
         if vocab:
             check_server(config, model_dir, vocab, checks, statuses)
     passed = checks.passed

@@ -459,8 +459,10 @@ def load_prompts(path: str | os.PathLike, tokenizer, limit: int | None = None,
             ids_field = next((f for f in ("context_ids", "prompt_ids") if f in obj), None)
             if ids_field:
                 ids = obj[ids_field]
-                if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-                    raise ValueError(f"{where}: field {ids_field!r} must be a non-empty list of ints")
+                if not isinstance(ids, list) or not ids or not all(
+                        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(tokenizer) for t in ids):
+                    raise ValueError(f"{where}: field {ids_field!r} must be a non-empty list of token ids "
+                                     f"(integers in 0..{len(tokenizer) - 1}, the target tokenizer's)")
                 if "offset" in obj:
                     pid = f"{pid}@{obj['offset']}"
             elif isinstance(obj.get("prompt"), str):

@@ -547,10 +547,29 @@ def _previous_runs(summary_path: Path, done: int) -> list[dict[str, Any]]:
     return runs if isinstance(runs, list) else []
 
 
-def _trace_ids(path: Path) -> set[str]:
-    ids: set[str] = set()
+# What a resumed output file's rows must hold (checked before any decoding: the totals written after the run read
+# them again, and a bad row found then would leave the new work behind an unfinished summary).
+TRACE_FIELDS = {"prompt_ids": list, "completion_ids": list, "finish_reason": str}
+POINT_FIELDS = {"category": str, "context_ids": list, "target_ids": list}
+LABEL_FIELDS = {"prompt_ids": list, "completion_ids": list, "target_ids": list}
+
+
+def _checked_rows(path: Path, fields: dict[str, type]) -> Iterator[tuple[int, dict]]:
     for lineno, obj in read_jsonl(path):
-        rid = obj.get("id")
+        if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
+            raise TracesError(f"{path}:{lineno}: not a row this stage wrote (a JSON object with a string 'id'); "
+                              "move the file away and rerun")
+        bad = [name for name, kind in fields.items() if not isinstance(obj.get(name), kind)]
+        if bad:
+            raise TracesError(f"{path}:{lineno}: field(s) {bad} missing or of the wrong type (expected "
+                              f"{', '.join(f'{n}: {fields[n].__name__}' for n in bad)}); move the file away and rerun")
+        yield lineno, obj
+
+
+def _trace_ids(path: Path, fields: dict[str, type] = TRACE_FIELDS) -> set[str]:
+    ids: set[str] = set()
+    for lineno, obj in _checked_rows(path, fields):
+        rid = obj["id"]
         if rid in ids:
             raise TracesError(f"{path}:{lineno}: duplicate id {rid!r}")
         ids.add(rid)
@@ -618,7 +637,7 @@ def _run_validation(cfg: ValidationConfig, out: Path, summary_path: Path, log_pa
         log.info("%s: redoing the points of the last prompt written (%r), in case a kill cut them short",
                  out, dropped)
     out.touch()
-    done = {obj["id"] for _, obj in read_jsonl(out)}
+    done = {obj["id"] for _, obj in _checked_rows(out, POINT_FIELDS)}
     target = describe_source(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
     template = has_chat_template(tokenizer)

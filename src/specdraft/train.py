@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from pydantic import Field
 from . import qd4
 from .config import StageConfig
 from .metrics import AcceptanceStats
-from .models import DEFAULT_TARGET, describe_source, resolve_model, tokenizer_fingerprint
+from .models import DEFAULT_TARGET, describe_source, resolve_model, tokenizer_fingerprint, weight_file_problems
 from .provenance import atomic_write_json, read_json, run_metadata, sha256_file, stage_log
 
 log = logging.getLogger("specdraft.train")
@@ -91,8 +92,9 @@ def parse_truncate_spec(init: str) -> tuple[str, list[int] | int] | None:
         return None
     body = init.removeprefix("truncate:")
     spec, _, layers = body.rpartition(":")
-    if not spec or not layers:
-        raise ValueError(f"init {init!r}: expected truncate:TARGET_SPEC:N or truncate:TARGET_SPEC:i,j,k")
+    if not spec or not re.fullmatch(r"\d+(,\d+)*", layers):
+        raise ValueError(f"--init {init!r}: expected truncate:TARGET_SPEC:N or truncate:TARGET_SPEC:i,j,k "
+                         "(N, i, j, k: layer counts / indices)")
     if "," in layers:
         return spec, [int(x) for x in layers.split(",")]
     return spec, int(layers)
@@ -579,8 +581,15 @@ def _load_resume_state(out: Path, accelerator, cfg: TrainConfig) -> dict:
     if not state_file.is_file():
         return {"step": 0, "history": [], "best": None}
     saved = read_json(state_file)
+    if not all(k in saved for k in ("config", "step", "history", "best")):
+        raise ValueError(f"{state_file}: not a trainer state (needs config, step, history, best); use a new "
+                         "--out or delete it")
     if saved["config"] != cfg.to_json_dict():
         raise ValueError(f"{out}/last was made with a different config; use a new --out or delete it")
+    corrupt = weight_file_problems(out / "last")
+    if corrupt:
+        raise ValueError(f"cannot resume: corrupt weight file: {'; '.join(corrupt)}; use a new --out or delete "
+                         f"{out / 'last'}")
     accelerator.load_state(str(out / "last"))
     log.info("resuming from %s at step %d", out / "last", saved["step"])
     return saved

@@ -25,7 +25,7 @@ class MalformedRecord(ValueError):
     """A record without the fields its reader needs (reported as file:line and counted, not fatal)."""
 
 
-class DataSourceError(RuntimeError):
+class DataSourceError(ValueError):
     """A source that cannot be read at all (missing file, not JSON at all, hub unreachable)."""
 
 

@@ -113,16 +113,15 @@ def resolve_limits(config: ServeConfig, vocab_size: int, max_positions: int | No
 
 def _model_facts(config: ServeConfig) -> tuple[int, int | None]:
     """vocab size and positions from config.json, without loading weights (for the request schema)."""
-    from transformers import AutoConfig
-
     from pathlib import Path
 
+    from .. import qd4
     from .engine import ModelLoadError
     if not (Path(config.model_dir) / "config.json").is_file():
         raise ModelLoadError(f"{config.model_dir}: not a model dir (no config.json)")
     try:
-        cfg = AutoConfig.from_pretrained(config.model_dir)
-    except (OSError, ValueError) as e:
+        cfg = qd4.load_config(config.model_dir)
+    except ValueError as e:
         raise ModelLoadError(f"{config.model_dir}: cannot read the model config ({e})") from e
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return int(text.vocab_size), getattr(text, "max_position_embeddings", None)

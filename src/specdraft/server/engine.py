@@ -351,6 +351,11 @@ def load_engine(model_dir: str | os.PathLike, weights: str | os.PathLike | None,
         group_size = load_info.group_size
     else:
         from transformers import AutoModelForCausalLM
+
+        from ..models import weight_file_problems
+        corrupt = weight_file_problems(model_dir)
+        if corrupt:
+            raise ModelLoadError("corrupt weight file: " + "; ".join(corrupt))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         log.info("loaded %s with from_pretrained (no QD04 weight file)", model_dir)
         group_size = qd4.DEFAULT_GROUP_SIZE
