@@ -216,6 +216,9 @@ def test_load_validation_errors_name_file_line_and_field(tmp_path):
     path.write_text(json.dumps(good) + "\n{not json\n")
     with pytest.raises(ValidationFileError, match="v.jsonl:2: not JSON"):
         load_validation(path)
+    path.write_bytes(json.dumps(good).encode() + b'\n{"id": "\xff"}\n')
+    with pytest.raises(ValueError, match="v.jsonl:2: not UTF-8 text"):
+        load_validation(path)
     assert len(load_validation(path, limit=1)) == 1
 
 

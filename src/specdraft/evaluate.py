@@ -27,7 +27,7 @@ from pydantic import Field, model_validator
 
 from .config import StageConfig
 from .metrics import AcceptanceStats
-from .provenance import atomic_write_json, atomic_write_text, run_metadata, sha256_file, stage_log
+from .provenance import atomic_write_json, atomic_write_text, run_metadata, sha256_file, stage_log, text_lines
 
 log = logging.getLogger("specdraft.evaluate")
 
@@ -116,17 +116,14 @@ def load_validation(path: str | os.PathLike, k: int = 16, limit: int | None = No
     if not path.is_file():
         raise ValidationFileError(f"{path}: no such file")
     points: list[ValidationPoint] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValidationFileError(f"{path}:{lineno}: not JSON ({e.msg})") from e
-            points.append(parse_point(obj, k, f"{path}:{lineno}"))
-            if limit and len(points) >= limit:
-                break
+    for lineno, line in text_lines(path):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValidationFileError(f"{path}:{lineno}: not JSON ({e.msg})") from e
+        points.append(parse_point(obj, k, f"{path}:{lineno}"))
+        if limit and len(points) >= limit:
+            break
     if not points:
         raise ValidationFileError(f"{path}: no evaluation points")
     return points

@@ -12,7 +12,7 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 TRACKED_PACKAGES = (
     "specdraft", "torch", "transformers", "tokenizers", "safetensors", "gguf", "accelerate",
@@ -94,6 +94,19 @@ def read_json(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{path}: expected a JSON object, found {type(value).__name__}")
     return value
+
+
+def text_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
+    """(line number, line) for each non-blank line of a UTF-8 text file such as a JSONL input; a line that is not
+    UTF-8 raises ValueError naming the file and the line (the codec's own error names neither)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            if line.strip():
+                yield lineno, line
 
 
 def package_versions(names: Iterable[str] = TRACKED_PACKAGES) -> dict[str, str | None]:

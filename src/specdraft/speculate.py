@@ -32,7 +32,7 @@ from .drafters import DEFAULT_HYBRID_MIN_NGRAM, lookup_draft
 from .lean import CompiledSteps, lean_forward
 from .metrics import accepted_length
 from .models import DEFAULT_TARGET
-from .provenance import atomic_write_json, atomic_write_text, run_metadata, sha256_file, stage_log
+from .provenance import atomic_write_json, atomic_write_text, run_metadata, sha256_file, stage_log, text_lines
 
 log = logging.getLogger("specdraft.speculate")
 
@@ -444,42 +444,39 @@ def load_prompts(path: str | os.PathLike, tokenizer, limit: int | None = None,
         raise ValueError(f"{path}: no such prompts file")
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    for lineno, line in text_lines(path):
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg})") from e
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected a JSON object")
+        pid = str(obj.get("id", obj.get("question_id", lineno)))
+        ids_field = next((f for f in ("context_ids", "prompt_ids") if f in obj), None)
+        if ids_field:
+            ids = obj[ids_field]
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(tokenizer) for t in ids):
+                raise ValueError(f"{where}: field {ids_field!r} must be a non-empty list of token ids "
+                                 f"(integers in 0..{len(tokenizer) - 1}, the target tokenizer's)")
+            if "offset" in obj:
+                pid = f"{pid}@{obj['offset']}"
+        elif isinstance(obj.get("prompt"), str):
+            ids = chat_prompt_ids(tokenizer, obj["prompt"], chat_template)
+        elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
+            ids = chat_prompt_ids(tokenizer, obj["turns"][0], chat_template)
+        else:
+            raise ValueError(f"{where}: no prompt: expected 'prompt' (str), 'turns' (list of str), "
+                             "'context_ids' or 'prompt_ids'")
+        if ids_field and "offset" in obj:
+            base = str(obj.get("id"))
+            if base in seen:  # validation points: one speculation per prompt, from its first point
                 continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e.msg})") from e
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: expected a JSON object")
-            pid = str(obj.get("id", obj.get("question_id", lineno)))
-            ids_field = next((f for f in ("context_ids", "prompt_ids") if f in obj), None)
-            if ids_field:
-                ids = obj[ids_field]
-                if not isinstance(ids, list) or not ids or not all(
-                        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(tokenizer) for t in ids):
-                    raise ValueError(f"{where}: field {ids_field!r} must be a non-empty list of token ids "
-                                     f"(integers in 0..{len(tokenizer) - 1}, the target tokenizer's)")
-                if "offset" in obj:
-                    pid = f"{pid}@{obj['offset']}"
-            elif isinstance(obj.get("prompt"), str):
-                ids = chat_prompt_ids(tokenizer, obj["prompt"], chat_template)
-            elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
-                ids = chat_prompt_ids(tokenizer, obj["turns"][0], chat_template)
-            else:
-                raise ValueError(f"{where}: no prompt: expected 'prompt' (str), 'turns' (list of str), "
-                                 "'context_ids' or 'prompt_ids'")
-            if ids_field and "offset" in obj:
-                base = str(obj.get("id"))
-                if base in seen:  # validation points: one speculation per prompt, from its first point
-                    continue
-                seen.add(base)
-            prompts.append(Prompt(pid, list(ids)))
-            if limit and len(prompts) >= limit:
-                break
+            seen.add(base)
+        prompts.append(Prompt(pid, list(ids)))
+        if limit and len(prompts) >= limit:
+            break
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts

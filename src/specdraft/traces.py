@@ -43,7 +43,7 @@ from pydantic import Field, field_validator
 from .config import StageConfig
 from .decode import Generation
 from .models import DEFAULT_TARGET
-from .provenance import atomic_write_json, read_json, run_metadata, sha256_file, stage_log
+from .provenance import atomic_write_json, read_json, run_metadata, sha256_file, stage_log, text_lines
 
 log = logging.getLogger("specdraft.traces")
 
@@ -125,20 +125,17 @@ def read_prompts(path: str | os.PathLike) -> list[PromptRecord]:
         raise TracesError(f"prompts file {path}: no such file")
     records: list[PromptRecord] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TracesError(f"{where}: not valid JSON ({e.msg})") from None
-            rec = _prompt_record(obj, where)
-            if rec.id in seen:
-                raise TracesError(f"{where}: duplicate id {rec.id!r} (first on line {seen[rec.id]})")
-            seen[rec.id] = lineno
-            records.append(rec)
+    for lineno, line in text_lines(path):
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TracesError(f"{where}: not valid JSON ({e.msg})") from None
+        rec = _prompt_record(obj, where)
+        if rec.id in seen:
+            raise TracesError(f"{where}: duplicate id {rec.id!r} (first on line {seen[rec.id]})")
+        seen[rec.id] = lineno
+        records.append(rec)
     if not records:
         raise TracesError(f"prompts file {path}: no prompts")
     return records

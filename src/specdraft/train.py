@@ -37,7 +37,7 @@ from . import qd4
 from .config import StageConfig
 from .metrics import AcceptanceStats
 from .models import DEFAULT_TARGET, describe_source, resolve_model, tokenizer_fingerprint, weight_file_problems
-from .provenance import atomic_write_json, read_json, run_metadata, sha256_file, stage_log
+from .provenance import atomic_write_json, read_json, run_metadata, sha256_file, stage_log, text_lines
 
 log = logging.getLogger("specdraft.train")
 
@@ -162,27 +162,24 @@ def read_traces(path: str | Path, max_seq_len: int) -> list[Example]:
     if not path.is_file():
         raise ValueError(f"{path}: no such traces file")
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or "id" not in rec:
-                raise ValueError(f"{where}: expected a JSON object with an 'id'")
-            prompt, completion = _token_ids(rec, "prompt_ids", where), _token_ids(rec, "completion_ids", where)
-            targets = _token_ids(rec, "target_ids", where) if rec.get("target_ids") is not None else None
-            if targets is not None and len(targets) != len(completion):
-                raise ValueError(f"{where}: {len(targets)} target_ids for {len(completion)} completion ids")
-            if not completion:
-                continue
-            completion = completion[: max_seq_len - 1]
-            prompt = prompt[-(max_seq_len - len(completion)):]
-            examples.append(Example(str(rec["id"]), prompt + completion, len(prompt),
-                                    None if targets is None else list(targets[: len(completion)])))
+    for lineno, line in text_lines(path):
+        where = f"{path}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(rec, dict) or "id" not in rec:
+            raise ValueError(f"{where}: expected a JSON object with an 'id'")
+        prompt, completion = _token_ids(rec, "prompt_ids", where), _token_ids(rec, "completion_ids", where)
+        targets = _token_ids(rec, "target_ids", where) if rec.get("target_ids") is not None else None
+        if targets is not None and len(targets) != len(completion):
+            raise ValueError(f"{where}: {len(targets)} target_ids for {len(completion)} completion ids")
+        if not completion:
+            continue
+        completion = completion[: max_seq_len - 1]
+        prompt = prompt[-(max_seq_len - len(completion)):]
+        examples.append(Example(str(rec["id"]), prompt + completion, len(prompt),
+                                None if targets is None else list(targets[: len(completion)])))
     if not examples:
         raise ValueError(f"{path}: no usable traces")
     return examples
