@@ -88,6 +88,15 @@ def test_read_answers_needs_ids_and_prompts(tmp_path):
         read_answers(bad)
 
 
+def test_label_without_any_reference_answer_is_refused(tiny_qwen3_dir, tmp_path):
+    for text in ("", '{"id": "a", "prompt": "x"}\n'):  # empty, or no row with a response
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text(text)
+        with pytest.raises(TracesError, match="no row with a reference answer"):
+            run_label(LabelConfig(target=str(tiny_qwen3_dir), prompts=str(prompts), out=str(tmp_path / "labels.jsonl")))
+        assert not (tmp_path / "labels.jsonl").exists()
+
+
 def test_train_uses_the_target_ids_not_the_reference_tokens(tiny_qwen3_dir, tmp_path):
     rows = [{"id": "a", "prompt_ids": [1, 2, 3], "completion_ids": [4, 5, 6], "target_ids": [7, 8, 9]}]
     path = tmp_path / "labels.jsonl"

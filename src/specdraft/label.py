@@ -137,6 +137,9 @@ def _run_label(cfg: LabelConfig, out: Path, summary_path: Path, log_path: Path) 
 
     started = time.time()
     rows, total_in_file = read_answers(cfg.prompts, cfg.limit)
+    if not rows:  # an empty labels file would pass for a finished run
+        raise TracesError(f"prompts file {cfg.prompts}: no row with a reference answer ('response') among "
+                          f"{total_in_file}; label needs answers to teacher-force (the data stage keeps them)")
     repair_jsonl(out)
     out.touch()
     done = _trace_ids(out, LABEL_FIELDS)  # the traces stage's reader: ids and fields checked, a duplicate refused
