@@ -153,6 +153,16 @@ def test_checkpoint_missing_weights_refused(tiny_qwen3_dir, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_out_must_be_a_directory_or_absent(tiny_qwen3_dir, tmp_path):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    for out, overwrite, says in [("file", True, "is not a directory"), ("full", False, "pass --overwrite")]:
+        with pytest.raises(FileExistsError, match=says):  # before any packing work
+            run_pack(PackConfig(checkpoint=str(tiny_qwen3_dir), out=str(tmp_path / out), overwrite=overwrite))
+    assert (tmp_path / "file").read_text() == "x" and (tmp_path / "full" / "x").read_text() == "x"
+
+
 def _traces(path, count=12, length=40, seed=3):
     gen = torch.Generator().manual_seed(seed)
     with open(path, "w") as f:

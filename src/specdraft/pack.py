@@ -122,7 +122,9 @@ def run_pack(cfg: PackConfig) -> PackResult:
     started = time.time()
     src = resolve_model(cfg.checkpoint)
     out = Path(cfg.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.overwrite:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out}: exists and is not a directory (--out names the model dir to write)")
+    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
         raise FileExistsError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
