@@ -98,6 +98,11 @@ def test_a_corrupt_weight_file_or_config_is_refused_naming_the_file(tmp_path, ti
     (model_dir / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a model config.json"):
         resolve_model(model_dir)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    tokenizer = model_dir / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text()[:300])
+    with pytest.raises(ValueError, match=f"{model_dir}: cannot load the tokenizer .JSONDecodeError"):
+        models.load_tokenizer(model_dir)
 
 
 def test_read_json_names_the_file_it_cannot_use(tmp_path):

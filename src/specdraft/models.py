@@ -289,8 +289,18 @@ def weights_sha256(model_dir: str | os.PathLike) -> str | None:
 
 
 def load_tokenizer(spec: str | os.PathLike):
+    return tokenizer_from_dir(resolve_model(spec))
+
+
+def tokenizer_from_dir(path: Path):
+    """The tokenizer of a model dir; damaged tokenizer files are a ValueError naming the dir (transformers raises
+    a bare JSONDecodeError for a truncated tokenizer.json)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(resolve_model(spec))
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path}: cannot load the tokenizer ({type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0]})") from e
 
 
 def load_model(spec: str | os.PathLike, dtype=None, device: str = "cpu"):

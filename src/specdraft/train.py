@@ -36,7 +36,8 @@ from pydantic import Field
 from . import qd4
 from .config import StageConfig
 from .metrics import AcceptanceStats
-from .models import DEFAULT_TARGET, describe_source, resolve_model, tokenizer_fingerprint, weight_file_problems
+from .models import (DEFAULT_TARGET, describe_source, resolve_model, tokenizer_fingerprint, tokenizer_from_dir,
+                     weight_file_problems)
 from .provenance import atomic_write_json, read_json, run_metadata, sha256_file, stage_log, text_lines
 
 log = logging.getLogger("specdraft.train")
@@ -117,13 +118,13 @@ def truncate_model(model, keep: list[int] | int):
 
 def build_init(init: str):
     """(model, tokenizer, source description) for the draft's initialisation."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     truncated = parse_truncate_spec(init)
     spec = truncated[0] if truncated else init
     path = resolve_model(spec)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = tokenizer_from_dir(path)
     source = describe_source(spec)
     if truncated:
         truncate_model(model, truncated[1])
