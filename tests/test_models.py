@@ -160,6 +160,24 @@ def test_cli_names_the_file_behind_bad_input(tiny_qwen3_dir, tmp_path, capsys):
     assert exit_.value.code == 2 and f"{bad_config}: not valid JSON" in capsys.readouterr().err
 
 
+def test_a_config_file_may_give_the_required_options(tmp_path, capsys):
+    from specdraft.cli import _stage_parser, main
+    from specdraft.config import config_from_args
+
+    parser, config_cls, _ = _stage_parser("speculate")
+    config_file = tmp_path / "speculate.json"
+    config_file.write_text(json.dumps({"draft": "lookup", "max_new_tokens": 8}))
+    args = parser.parse_args(["--config", str(config_file), "--prompts", "p.jsonl", "--max-new-tokens", "4"])
+    config = config_from_args(config_cls, args, args._config_file)
+    assert (config.draft, str(config.prompts), config.max_new_tokens) == ("lookup", "p.jsonl", 4)  # flags win
+    with pytest.raises(ValueError, match="the following arguments are required: --draft, --prompts"):
+        config_from_args(config_cls, parser.parse_args([]))
+    with pytest.raises(SystemExit) as exit_:
+        main(["speculate", "--config", str(config_file)])
+    assert exit_.value.code == 2
+    assert "required: --prompts (on the command line or in the --config file)" in capsys.readouterr().err
+
+
 def _fake_embedded(monkeypatch, tmp_path, tiny_dir, on_load=None):
     """An embedded model whose 'GGUF' is a dummy file and whose GGUF loaders read the tiny model instead, so
     that the real conversion (fresh model from the config, load_state_dict, save_pretrained) runs fast."""

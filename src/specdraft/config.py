@@ -66,8 +66,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[BaseM
             kwargs.update(choices=list(get_args(tp)), type=type(get_args(tp)[0]))
         else:
             kwargs["type"] = _scalar_type(tp)
-            if field.is_required():
-                kwargs["required"] = True
+        if field.is_required():  # checked in config_from_args: a --config file may give it instead
+            kwargs["help"] += " (required, here or in --config)"
         parser.add_argument(flag, *extra.get("aliases", []), dest=name, **kwargs)
 
 
@@ -80,7 +80,16 @@ def _scalar_type(tp: Any):
 
 
 def config_from_args(config_cls: type[BaseModel], args: argparse.Namespace, config_file: str | None = None):
+    from .provenance import read_json
+
     values = {k: v for k, v in vars(args).items() if k in config_cls.model_fields}
+    in_file = read_json(config_file) if config_file else {}
+    missing = [name for name, field in config_cls.model_fields.items()
+               if field.is_required() and values.get(name) is None and name not in in_file]
+    if missing:
+        raise ValueError("the following arguments are required: "
+                         + ", ".join("--" + name.replace("_", "-") for name in missing)
+                         + (" (on the command line or in the --config file)" if config_file else ""))
     if config_file:
         return config_cls.from_file(config_file, **values)
     return config_cls(**values)
