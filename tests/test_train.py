@@ -50,6 +50,23 @@ def test_parse_truncate_spec():
             parse_truncate_spec(bad)
 
 
+@pytest.mark.parametrize("name", ["train.default.json", "train.labels.json", "train.qat.json", "train.qwen3-8b.json"])
+def test_shipped_train_configs_load_through_the_cli(name):
+    """The README runs them as `specdraft train --config FILE` (plus flags): every field valid, and the GPU
+    reference's file complete on its own (it names traces, init and out)."""
+    from pathlib import Path
+
+    from specdraft.cli import _stage_parser
+    from specdraft.config import config_from_args
+
+    config_file = Path(__file__).parent.parent / "configs" / name
+    parser, config_cls, _ = _stage_parser("train")
+    flags = [] if name == "train.qwen3-8b.json" else ["--traces", "t.jsonl", "--out", "o", "--init", "x"]
+    args = parser.parse_args(["--config", str(config_file), *flags])
+    config = config_from_args(config_cls, args, args._config_file)
+    assert config.to_json_dict()["out"] == json.loads(config_file.read_text()).get("out", "o")
+
+
 def test_truncate_keeps_chosen_layers(tiny_target):
     model = AutoModelForCausalLM.from_pretrained(tiny_target)
     third = model.model.layers[3].mlp.up_proj.weight.clone()
