@@ -13,17 +13,10 @@ from pydantic import BaseModel, ConfigDict
 
 
 class StageConfig(BaseModel):
-    """Base for every stage config: strict field names, JSON round-trip, loadable from a file."""
+    """Base for every stage config: strict field names, JSON round-trip, loadable from a --config file
+    (``config_from_args``)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    @classmethod
-    def from_file(cls, path: str | Path, **overrides: Any):
-        from .provenance import read_json
-
-        data = read_json(path)  # a JSON object, or a ValueError naming the file
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**data)
 
     def to_json_dict(self) -> dict[str, Any]:
         return json.loads(self.model_dump_json())
@@ -82,14 +75,12 @@ def _scalar_type(tp: Any):
 def config_from_args(config_cls: type[BaseModel], args: argparse.Namespace, config_file: str | None = None):
     from .provenance import read_json
 
-    values = {k: v for k, v in vars(args).items() if k in config_cls.model_fields}
-    in_file = read_json(config_file) if config_file else {}
-    missing = [name for name, field in config_cls.model_fields.items()
-               if field.is_required() and values.get(name) is None and name not in in_file]
+    # the file's values (a JSON object, or a ValueError naming the file), the command line's over them
+    values = read_json(config_file) if config_file else {}
+    values.update({k: v for k, v in vars(args).items() if k in config_cls.model_fields and v is not None})
+    missing = [name for name, field in config_cls.model_fields.items() if field.is_required() and name not in values]
     if missing:
         raise ValueError("the following arguments are required: "
                          + ", ".join("--" + name.replace("_", "-") for name in missing)
                          + (" (on the command line or in the --config file)" if config_file else ""))
-    if config_file:
-        return config_cls.from_file(config_file, **values)
     return config_cls(**values)

@@ -444,6 +444,7 @@ def load_prompts(path: str | os.PathLike, tokenizer, limit: int | None = None,
         raise ValueError(f"{path}: no such prompts file")
     prompts: list[Prompt] = []
     seen: set[str] = set()
+    vocab = len(tokenizer)
     for lineno, line in text_lines(path):
         where = f"{path}:{lineno}"
         try:
@@ -457,9 +458,9 @@ def load_prompts(path: str | os.PathLike, tokenizer, limit: int | None = None,
         if ids_field:
             ids = obj[ids_field]
             if not isinstance(ids, list) or not ids or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(tokenizer) for t in ids):
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
                 raise ValueError(f"{where}: field {ids_field!r} must be a non-empty list of token ids "
-                                 f"(integers in 0..{len(tokenizer) - 1}, the target tokenizer's)")
+                                 f"(integers in 0..{vocab - 1}, the target tokenizer's)")
             if "offset" in obj:
                 pid = f"{pid}@{obj['offset']}"
         elif isinstance(obj.get("prompt"), str):
