@@ -38,25 +38,25 @@ def collect(draft_dir: str, points: list[dict]) -> list[dict]:
     """Per point: the draft's top probability for each of its 16 greedy tokens and the accepted length."""
     from tqdm import tqdm
 
-    from specdraft.evaluate import load_draft_model
-    from specdraft.metrics import accepted_length
-    from specdraft.speculate import CachedDraftModel, _top_probability
+    from specdraft.drafting.cached import CachedDraftModel, top_probability
+    from specdraft.drafting.metrics import accepted_length
+    from specdraft.model.loader import load_draft
 
-    model, _ = load_draft_model(draft_dir, "int4")
+    model, _ = load_draft(draft_dir, "int4")
     drafter = CachedDraftModel(model, lean=True)
     rows = []
     with torch.inference_mode():
         for point in tqdm(points, desc=Path(draft_dir).name, unit="point"):
             drafter.reset()
             context = point["context_ids"]
-            logits = drafter._forward(context, 0)
+            logits = drafter.feed(context, 0)
             drafter.tokens.extend(context)
             tokens, probs = [], []
             for i in range(DRAFT_TOKENS):
-                probs.append(_top_probability(logits))
+                probs.append(top_probability(logits))
                 tokens.append(int(logits[0, -1].argmax()))
                 if i < DRAFT_TOKENS - 1:
-                    logits = drafter._forward(tokens[-1:], len(drafter.tokens))
+                    logits = drafter.feed(tokens[-1:], len(drafter.tokens))
                     drafter.tokens.append(tokens[-1])
             rows.append({"id": point["id"], "offset": point.get("offset"), "probs": probs,
                          "accepted": accepted_length(tokens, point["target_ids"])})
@@ -83,7 +83,7 @@ def simulate(rows: list[dict], step_ms: float, verify_ms: dict[int, float], k: i
 def calibration(rows: list[dict]):
     """``speculate.AcceptanceCalibration`` (the acceptance rate per bin of the draft's probability, given every
     earlier token accepted) as a run learns it, counted here over ``rows`` at once."""
-    from specdraft.speculate import AcceptanceCalibration
+    from specdraft.drafting.calibration import AcceptanceCalibration
 
     cal = AcceptanceCalibration()
     for row in rows:
@@ -105,9 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     from bench_speculate import _time_forward
-
-    from specdraft.evaluate import load_draft_model
-    from specdraft.models import DEFAULT_TARGET, load_model
+    from specdraft.model.loader import load_draft
+    from specdraft.model.specs import DEFAULT_TARGET, load_model
 
     points = [json.loads(line) for line in args.validation.read_text().splitlines() if line.strip()][::args.every]
     target = load_model(args.target or DEFAULT_TARGET)
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     print("verify ms by tokens:", {n: round(v, 1) for n, v in verify_ms.items()})
     report = {"command": " ".join(sys.argv), "points": len(points), "verify_ms": verify_ms, "drafts": {}}
     for draft_dir in args.draft:
-        model, _ = load_draft_model(draft_dir, "int4")
+        model, _ = load_draft(draft_dir, "int4")
         step_ms = {forward: 1e3 * _time_forward(model, 1, args.context, 2 * args.repeats, forward=forward)
                    for forward in ("lean", "compiled")}
         del model

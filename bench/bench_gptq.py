@@ -25,14 +25,15 @@ import time
 
 import torch
 
-from specdraft import qd4
-from specdraft.evaluate import ValidationPoint, load_validation
-from specdraft.models import load_model
-from specdraft.pack import calibration_sequences, gptq_calibrate
-from specdraft.provenance import atomic_write_json, run_metadata, sha256_file
-from specdraft.train import Example, simulated_acceptance
+from specdraft.core.io import atomic_write_json, sha256_file
+from specdraft.core.provenance import run_metadata
+from specdraft.core.records import Example, ValidationPoint, load_validation
+from specdraft.model.specs import load_model
+from specdraft.quant import q4g, qd4
+from specdraft.quant.gptq import calibration_sequences, gptq_calibrate
+from specdraft.stages.train import simulated_acceptance
 
-GROUP_SIZE = qd4.DEFAULT_GROUP_SIZE
+GROUP_SIZE = q4g.DEFAULT_GROUP_SIZE
 
 
 def validation_examples(path: str) -> list[Example]:
@@ -57,11 +58,11 @@ def apply_variant(model, variant: str, calibration: str | None, lossless_grids: 
     if name == "float":
         return {}
     # lossless_group_size keeps non-2-D tensors (norms) at GROUP_SIZE, so they never appear here
-    group_sizes = qd4.lossless_group_sizes(stored, GROUP_SIZE) if lossless_grids else {}
+    group_sizes = q4g.lossless_group_sizes(stored, GROUP_SIZE) if lossless_grids else {}
     if name in ("minmax", "minmax-embedding"):
         for n, t in stored.items():
             if t.dim() == 2 and (name == "minmax" or n == embedding):
-                t.copy_(qd4.dequantize(qd4.quantize(t, group_sizes.get(n, GROUP_SIZE))))
+                t.copy_(q4g.dequantize(q4g.quantize(t, group_sizes.get(n, GROUP_SIZE))))
         return {"finer_grid_tensors": len(group_sizes)}
     if name in ("gptq", "gptq-linears"):
         if calibration is None:

@@ -42,10 +42,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from specdraft.decode import iter_greedy
-    from specdraft.label import _batches, answer_ids, label_batch, read_answers
-    from specdraft.models import load_model, load_tokenizer
-    from specdraft.traces import encode_prompts
+    from specdraft.core.records import read_answers
+    from specdraft.model.chat import encode_prompts
+    from specdraft.model.decode import iter_greedy
+    from specdraft.model.specs import load_model, load_tokenizer
+    from specdraft.stages.label import _batches, answer_ids, label_batch
 
     rows, _ = read_answers(args.prompts, args.num_prompts)
     tok = load_tokenizer(args.target)

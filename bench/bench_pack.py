@@ -27,10 +27,12 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from specdraft import qd4
-from specdraft.models import DEFAULT_TARGET, resolve_model
-from specdraft.pack import PackConfig, load_packed_model, run_pack
-from specdraft.provenance import atomic_write_json, run_metadata, sha256_file
+from specdraft.core.io import atomic_write_json, sha256_file
+from specdraft.core.provenance import run_metadata
+from specdraft.model.loader import load_packed_model
+from specdraft.model.specs import DEFAULT_TARGET, resolve_model
+from specdraft.quant import qd4
+from specdraft.stages.pack import PackConfig, run_pack
 
 DATA_DIR = Path("/work/shared/data/train")
 TEXT_FILES = ("code_alpaca_2k.json", "llamafactory_alpaca_en_demo.json", "gpteacher_roleplay_instruct.json")
@@ -135,9 +137,9 @@ def acceptance_packed_vs_float(validation: str | None, float_checkpoint: str | N
     if not (validation and float_checkpoint and packed_dir):
         return {"status": "pending", "reason": "needs the trained draft: pass --validation, --float-checkpoint "
                                                "and --packed-dir"}
-    from specdraft.drafters import ModelDrafter
-    from specdraft.metrics import AcceptanceStats
-    from specdraft.models import load_model
+    from specdraft.drafting.batched import ModelDrafter
+    from specdraft.drafting.metrics import AcceptanceStats
+    from specdraft.model.specs import load_model
 
     points = [json.loads(line) for line in Path(validation).read_text(encoding="utf-8").splitlines() if line.strip()]
     points = points[:limit] if limit else points

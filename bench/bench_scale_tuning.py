@@ -29,10 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft import qd4
-from specdraft.pack import load_packed_model
-from specdraft.provenance import atomic_write_json, run_metadata, sha256_file
-from specdraft.train import collate, make_batches, read_traces, simulated_acceptance
+from specdraft.core.io import atomic_write_json, sha256_file
+from specdraft.core.provenance import run_metadata
+from specdraft.core.records import read_traces
+from specdraft.model.loader import load_packed_model
+from specdraft.quant import q4g, qd4
+from specdraft.stages.train import collate, make_batches, simulated_acceptance
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gptq import validation_examples  # noqa: E402
@@ -46,10 +48,10 @@ def fp16_ste(x: torch.Tensor) -> torch.Tensor:
 class ScaleTunedLinear(nn.Module):
     """y = x Wᵀ with W = code * scale + min per group of G; codes fixed, scales and mins trainable."""
 
-    def __init__(self, q: qd4.QuantizedTensor):
+    def __init__(self, q: q4g.QuantizedTensor):
         super().__init__()
         self.shape, self.group_size = q.shape, q.group_size
-        self.register_buffer("codes", qd4.unpack_codes(q.codes).to(torch.float32))  # [N, Kp]
+        self.register_buffer("codes", q4g.unpack_codes(q.codes).to(torch.float32))  # [N, Kp]
         self.scales = nn.Parameter(q.scales.float().clone())
         self.mins = nn.Parameter(q.mins.float().clone())
 
@@ -63,9 +65,9 @@ class ScaleTunedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight_value())
 
-    def stored(self) -> qd4.QuantizedTensor:
+    def stored(self) -> q4g.QuantizedTensor:
         with torch.no_grad():
-            return qd4.QuantizedTensor(qd4.pack_codes(self.codes.to(torch.uint8)), self.scales.half(),
+            return q4g.QuantizedTensor(q4g.pack_codes(self.codes.to(torch.uint8)), self.scales.half(),
                                        self.mins.half(), self.shape)
 
 
@@ -74,7 +76,7 @@ class CodeTunedLinear(nn.Module):
     fixed, a float latent V per weight trainable (straight-through rounding). V starts at the stored weight, so
     step 0 is the packed draft exactly; a code changes once V has moved half a step."""
 
-    def __init__(self, q: qd4.QuantizedTensor):
+    def __init__(self, q: q4g.QuantizedTensor):
         super().__init__()
         n, k = q.shape
         self.shape, self.group_size = q.shape, q.group_size
@@ -83,7 +85,7 @@ class CodeTunedLinear(nn.Module):
         self.register_buffer("scales", q.scales.float().unsqueeze(-1))  # [N, K/G, 1]
         self.register_buffer("mins", q.mins.float().unsqueeze(-1))
         self.register_buffer("flat", (q.scales == 0).unsqueeze(-1))  # constant groups: their code stays 0
-        self.latent = nn.Parameter(qd4.dequantize(q, torch.float32).clone())
+        self.latent = nn.Parameter(q4g.dequantize(q, torch.float32).clone())
 
     def codes(self) -> torch.Tensor:
         n, k = self.shape
@@ -96,10 +98,10 @@ class CodeTunedLinear(nn.Module):
             w = (self.codes() * self.scales + self.mins).view(self.shape)
         return F.linear(x, self.latent + (w - self.latent).detach())
 
-    def stored(self) -> qd4.QuantizedTensor:
+    def stored(self) -> q4g.QuantizedTensor:
         with torch.no_grad():
             codes = self.codes().view(self.shape).to(torch.uint8)
-            return qd4.QuantizedTensor(qd4.pack_codes(codes), self.scales.squeeze(-1).half(),
+            return q4g.QuantizedTensor(q4g.pack_codes(codes), self.scales.squeeze(-1).half(),
                                        self.mins.squeeze(-1).half(), self.shape)
 
 
@@ -117,7 +119,7 @@ def swap_layers(model, stored: dict, first_layer: int, tune: str = "scales"
         for name, module in list(layer.named_modules()):
             full = f"model.layers.{i}.{name}"
             if isinstance(module, nn.Linear) and module.bias is None and isinstance(stored.get(f"{full}.weight"),
-                                                                                    qd4.QuantizedTensor):
+                                                                                    q4g.QuantizedTensor):
                 new = (CodeTunedLinear if tune == "codes" else ScaleTunedLinear)(stored[f"{full}.weight"])
                 parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
                 setattr(parent, name.rsplit(".", 1)[-1], new)
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     teacher = None
     if args.teacher:
-        from specdraft.models import load_model
+        from specdraft.model.specs import load_model
         teacher = load_model(args.teacher, dtype=torch.float32).eval()
     examples = read_traces(args.traces, args.max_seq_len)
     validation = validation_examples(args.validation)
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             encodings[e.name] = e.encoding
             if e.encoding == "q4g":
                 quantized[e.name] = tuned[e.name].stored() if e.name in tuned else stored[e.name]
-                tensors[e.name] = qd4.dequantize(quantized[e.name])
+                tensors[e.name] = q4g.dequantize(quantized[e.name])
                 group_sizes[e.name] = e.group_size
             else:
                 tensors[e.name] = state[e.name]

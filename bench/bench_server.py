@@ -68,7 +68,7 @@ PROMPTS = [
 
 def build_standin(layers: int, out: Path, target: str) -> Path:
     """The target's first ``layers`` layers as an HF dir (with the tokenizer): a stand-in draft."""
-    from specdraft.models import load_model, load_tokenizer
+    from specdraft.model.specs import load_model, load_tokenizer
 
     if (out / "config.json").is_file():
         return out
@@ -107,8 +107,8 @@ def eval_points(args, draft_dir: Path) -> list[dict[str, Any]]:
         return [{"context_ids": r["context_ids"], "target_ids": r["target_ids"][:16]} for r in rows][: args.points]
     import torch
 
-    from specdraft.decode import greedy_decode
-    from specdraft.models import load_model, load_tokenizer
+    from specdraft.model.decode import greedy_decode
+    from specdraft.model.specs import load_model, load_tokenizer
 
     cache = Path(args.work) / f"points-{args.target.replace(':', '_').replace('/', '_')}.json"
     if cache.is_file():
@@ -156,8 +156,8 @@ def pct(values: list[float], q: float) -> float:
 def latency_bench(args, draft_dir: Path, points: list[dict[str, Any]], read_gbs: float) -> dict[str, Any]:
     import torch
 
-    from specdraft.metrics import accepted_length
-    from specdraft.pack import load_packed_model
+    from specdraft.drafting.metrics import accepted_length
+    from specdraft.model.loader import load_packed_model
     from specdraft.server.engine import load_engine
 
     if args.threads:
@@ -255,7 +255,7 @@ def _batched_vs_single(engine, contexts: list[list[int]], single: list[list[int]
 def acceptance_bench(args, model_dirs: dict[str, Path], points: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean accepted length (16-token drafts vs the target's greedy tokens) of each compute format, per
     model; decoded in batches of 8 (the server's batched path). Δ is relative to float32 of the same weights."""
-    from specdraft.metrics import accepted_length
+    from specdraft.drafting.metrics import accepted_length
     from specdraft.server.engine import load_engine
 
     contexts = [p["context_ids"] for p in points]
@@ -290,7 +290,7 @@ def ensure_proxy(args) -> Path:
     """The full target packed to QD04: a draft that does predict the target, so that the acceptance cost of
     a compute format shows even when the draft under test (e.g. the stand-in) accepts ~nothing."""
     from specdraft.cli import main as cli
-    from specdraft.models import resolve_model
+    from specdraft.model.specs import resolve_model
 
     packed = Path(args.work) / "target-packed"
     if not (packed / "draft.qd4").is_file():
@@ -554,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     args.clients = [int(c) for c in args.clients.split(",")]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from specdraft.provenance import atomic_write_json, run_metadata
+    from specdraft.core.io import atomic_write_json
+    from specdraft.core.provenance import run_metadata
 
     draft_dir, description = ensure_draft(args)
     points = eval_points(args, draft_dir)

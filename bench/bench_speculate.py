@@ -50,30 +50,31 @@ def _time_forward(model, n: int, context: int, repeats: int, clock: str = "cpu",
     """Median time of one forward of n tokens on a cache of ``context``: the model's own forward, or a decode
     step as the speculative draft runs it (``CachedDraftModel``: ``forward`` "lean" = specdraft.lean,
     "compiled" = its torch.compile'd steps)."""
-    from specdraft.speculate import CachedDraftModel, _crop_to, _forward
+    from specdraft.drafting.cached import CachedDraftModel
+    from specdraft.model.decode import crop_cache, extend
 
     drafter = CachedDraftModel(model, lean=forward != "model", compile=forward == "compiled")
     cache = drafter.cache
     with torch.inference_mode():
-        _forward(model, list(range(100, 100 + context)), cache, 0, logits_to_keep=1)
+        extend(model, list(range(100, 100 + context)), cache, 0, logits_to_keep=1)
         keep = 1 if n == 1 else 0  # a decode step keeps the last logits; a verify pass needs all
 
         def run() -> None:
             if forward != "model":
-                drafter._forward([5] * n, context)
+                drafter.extend([5] * n, context)
             else:
-                _forward(model, [5] * n, cache, context, logits_to_keep=keep)
+                extend(model, [5] * n, cache, context, logits_to_keep=keep)
 
         for _ in range(2):  # warm (and compile: a fresh cache, then one that crop left as views)
             run()
-            _crop_to(cache, context)
+            crop_cache(cache, context)
         now = time.process_time if clock == "cpu" else time.perf_counter
         times = []
         for _ in range(repeats):
             t0 = now()
             run()
             times.append(now() - t0)
-            _crop_to(cache, context)
+            crop_cache(cache, context)
     return statistics.median(times)
 
 
@@ -132,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-speculate", action="store_true")
     args = ap.parse_args(argv)
 
-    from specdraft.evaluate import load_draft_model
-    from specdraft.models import DEFAULT_TARGET, load_model
-    from specdraft.speculate import SpeculateConfig, build_layer_truncated_draft, run_speculate
+    from specdraft.model.loader import load_draft
+    from specdraft.model.specs import DEFAULT_TARGET, load_model
+    from specdraft.model.truncate import save_init
+    from specdraft.stages.speculate import SpeculateConfig, run_speculate
 
     torch.set_num_threads(args.threads)
     target_spec = args.target or DEFAULT_TARGET
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if draft is None:
         draft_dir = out / f"standin-{args.standin_layers}layers"
         if not (draft_dir / "config.json").is_file():
-            build_layer_truncated_draft(target_spec, args.standin_layers, draft_dir)
+            save_init(f"truncate:{target_spec}:{args.standin_layers}", draft_dir)
         draft = str(draft_dir)
         note = (f"Draft = STAND-IN: the target's first {args.standin_layers} layers (+ final norm and tied head), "
                 "untrained. These figures exercise the code path; they are not the trained draft's.")
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         target = load_model(target_spec)
         drafts = {}
         for compute in [c for c in args.cost_model_computes.split(",") if c]:
-            model, _ = load_draft_model(draft, compute)
+            model, _ = load_draft(draft, compute)
             drafts[f"draft/{compute}"] = (model, "compiled")  # as the speculative draft runs it by default
             drafts[f"draft/{compute}/eager"] = (model, "lean")  # specdraft.lean without torch.compile
             drafts[f"draft/{compute}/hf"] = (model, "model")  # through transformers' forward

@@ -132,7 +132,7 @@ def cut_at_eos(tokens: Sequence[int], eos: set[int], limit: int) -> list[int]:
 
 
 def run_ours(model, prompts, max_new, batch_size, kv_cache="auto") -> dict[int, list[int]]:
-    from specdraft.decode import iter_greedy
+    from specdraft.model.decode import iter_greedy
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # as the traces stage does
     return {i: g.tokens for i, g in iter_greedy(model, prompts, max_new, batch_size=batch_size, order=order,
                                                 kv_cache=kv_cache)}
@@ -169,7 +169,7 @@ def compare(a: dict[int, list[int]], b: dict[int, list[int]]) -> dict[str, Any]:
 @torch.inference_mode()
 def batch1_latency(model, prompt, tokens, pad_id) -> dict[str, Any]:
     """ms per decoded token at batch 1 (prefill excluded), EOS ignored; ours static, ours dynamic, generate."""
-    from specdraft.decode import greedy_decode
+    from specdraft.model.decode import greedy_decode
 
     def ours(kv, n):
         return lambda: greedy_decode(model, [prompt], n, stop_at_eos=False, kv_cache=kv)
@@ -229,10 +229,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     print(f"command: {command}", flush=True)
-    from specdraft.decode import eos_token_ids, pad_token_id
-    from specdraft.models import DEFAULT_TARGET, describe_source, load_model, load_tokenizer
-    from specdraft.provenance import atomic_write_json, run_metadata
-    from specdraft.traces import encode_prompts, read_prompts
+    from specdraft.core.io import atomic_write_json
+    from specdraft.core.provenance import run_metadata
+    from specdraft.core.records import read_prompts
+    from specdraft.model.chat import encode_prompts
+    from specdraft.model.decode import eos_token_ids, pad_token_id
+    from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_model, load_tokenizer
 
     target = args.target or DEFAULT_TARGET
     tok = load_tokenizer(target)

@@ -3,7 +3,7 @@ import contextlib
 import pytest
 import torch
 
-from specdraft.tiny import build_tiny_model
+from specdraft.model.tiny import build_tiny_model
 
 
 @pytest.fixture(autouse=True, scope="session")

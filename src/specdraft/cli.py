@@ -1,34 +1,39 @@
 """`specdraft <stage>`: parse arguments into the stage's config and call one stage function.
 
-Each stage module defines a pydantic config (the single place its defaults live) and a function that
-takes it. Stages are imported lazily so that `specdraft models show` does not pay for the server, etc.
+Each stage module (``specdraft.stages.*``, the demo, the audit) defines a pydantic config (the single place its
+defaults live) and a function that takes it. A stage's module is imported when that stage runs, from the
+``STAGES`` table, so that one stage does not pay for the others' imports (the server's, say).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import sys
 
+from specdraft.core.config import add_config_arguments, config_from_args
+from specdraft.model.specs import model_summary
+
 # stage -> (module, config class, function, one-line help)
 STAGES: dict[str, tuple[str, str, str, str]] = {
-    "prompts": ("specdraft.data", "PromptsConfig", "build_prompts",
+    "prompts": ("specdraft.stages.prompts", "PromptsConfig", "build_prompts",
                 "build prompts.jsonl from a data manifest (dedup, quotas, contamination check)"),
-    "traces": ("specdraft.traces", "TracesConfig", "run_traces",
+    "traces": ("specdraft.stages.traces", "TracesConfig", "run_traces",
                "the target's greedy continuations of the prompts (resumable)"),
-    "validation": ("specdraft.traces", "ValidationConfig", "run_validation",
+    "validation": ("specdraft.stages.traces", "ValidationConfig", "run_validation",
                    "held-out evaluation points: context_ids and the target's next 16 greedy tokens"),
-    "label": ("specdraft.label", "LabelConfig", "run_label",
+    "label": ("specdraft.stages.label", "LabelConfig", "run_label",
               "teacher-forced labels: the target's argmax at every position of reference answers"),
-    "train": ("specdraft.train", "TrainConfig", "run_train", "distil the draft from the target's traces"),
-    "pack": ("specdraft.pack", "PackConfig", "run_pack", "pack a checkpoint into the QD04 4-bit model dir"),
-    "serve": ("specdraft.server", "ServeConfig", "run_server", "serve POST /draft over HTTP"),
-    "eval": ("specdraft.evaluate", "EvalConfig", "run_eval", "acceptance of a drafter on validation points"),
-    "speculate": ("specdraft.speculate", "SpeculateConfig", "run_speculate",
+    "train": ("specdraft.stages.train", "TrainConfig", "run_train", "distil the draft from the target's traces"),
+    "pack": ("specdraft.stages.pack", "PackConfig", "run_pack", "pack a checkpoint into the QD04 4-bit model dir"),
+    "serve": ("specdraft.stages.serve", "ServeConfig", "run_serve", "serve POST /draft over HTTP"),
+    "eval": ("specdraft.stages.evaluate", "EvalConfig", "run_eval", "acceptance of a drafter on validation points"),
+    "speculate": ("specdraft.stages.speculate", "SpeculateConfig", "run_speculate",
                   "lossless greedy speculative decoding, timed against plain greedy"),
-    "selfcheck": ("specdraft.selfcheck", "SelfcheckConfig", "run_selfcheck",
+    "selfcheck": ("specdraft.stages.selfcheck", "SelfcheckConfig", "run_selfcheck",
                   "start the server on a packed model dir and check it end to end"),
     "demo": ("specdraft.demo", "DemoConfig", "run_demo", "the whole pipeline on the embedded default"),
     "audit": ("specdraft.audit", "AuditConfig", "run_audit", "prove where every artifact of a run came from"),
@@ -48,9 +53,7 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _stage_parser(name: str):
-    from .config import add_config_arguments
-
+def stage_parser(name: str):
     module_name, config_name, func_name, help_text = STAGES[name]
     module = importlib.import_module(module_name)
     config_cls = getattr(module, config_name)
@@ -65,9 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if argv and argv[0] in STAGES:
-        from .config import config_from_args
-
-        parser, config_cls, func = _stage_parser(argv[0])
+        parser, config_cls, func = stage_parser(argv[0])
         args = parser.parse_args(argv[1:])
         try:
             config = config_from_args(config_cls, args, args._config_file)
@@ -90,10 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _models_show(spec: str, as_json: bool) -> int:
-    import json
-
-    from .models import model_summary
-
     try:
         summary = model_summary(spec)
     except (ValueError, OSError) as e:  # a bad spec (ModelSpecError), an unreadable config.json or weights

@@ -15,13 +15,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
+import torch
 from pydantic import Field
 
-from .config import StageConfig
-from .models import DEFAULT_TARGET
-from .provenance import atomic_write_json, atomic_write_text, read_json, run_metadata, stage_log
+from specdraft.audit import AuditConfig, run_audit
+from specdraft.core.config import StageConfig
+from specdraft.core.io import atomic_write_json, atomic_write_text, read_json
+from specdraft.core.provenance import run_metadata, stage_log
+from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM
+from specdraft.model.specs import DEFAULT_TARGET
+from specdraft.model.truncate import save_init
+from specdraft.server.process import ServerProcess
+from specdraft.stages.evaluate import EvalConfig, run_eval
+from specdraft.stages.pack import PackConfig, run_pack
+from specdraft.stages.prompts import PromptsConfig, build_prompts
+from specdraft.stages.selfcheck import SelfcheckConfig, run_selfcheck
+from specdraft.stages.speculate import SpeculateConfig, run_speculate
+from specdraft.stages.traces import TracesConfig, ValidationConfig, run_traces, run_validation
+from specdraft.stages.train import TrainConfig, run_train
 
-log = logging.getLogger("specdraft.demo")
+log = logging.getLogger(__name__)
+
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -45,21 +59,18 @@ class Budget:
     qat: bool = False  # train through the 4-bit rounding of the pack that follows (its group size)
     # GPTQ-calibrate the pack on the run's traces; not after QAT, whose weights are fitted to plain rounding
     gptq: bool = False
-    # speculate's draft steps through torch.compile: worth its compile (~15-90 s per draft with an empty
-    # inductor cache) over a long sweep, not over small's few hundred draft steps (~5 ms saved per step)
+    # speculate's draft steps through torch.compile: its compile (minutes with an empty inductor cache) pays
+    # over a long sweep, not over small's few hundred draft steps
     compile_drafts: bool = True
 
 
 # The draft keeps 24 of the target's 30 layers (drops 16-21) and trains only the last 12 (the first 12 stay
-# frozen): on all 851 MT-bench points it accepts 2.37 of 16 in float against 0.49 for the 8-layer draft
-# (first 6 + last 2 layers) trained on the same traces, and makes speculative decoding 0.97x plain greedy
-# instead of 0.55x (BENCHMARKS.md, "Depth").
+# frozen): the depth that accepted most on MT-bench of those tried (BENCHMARKS.md, "What we tried").
 DRAFT_INIT = "truncate:{target}:" + ",".join(str(i) for i in [*range(16), *range(22, 30)])
 FROZEN_LAYERS = 12
 # The self-draft (the target's own weights, packed, untrained) keeps its embedding in f16: the embedded
-# target's linear layers sit on a 4-bit grid already (stored exactly), its Q8_0 embedding does not: with it at
-# 4 bits the self-draft accepts 8.6 of 16 on MT-bench instead of 14.4 (BENCHMARKS.md, "The target as its own
-# draft").
+# target's linear layers sit on a 4-bit grid already (stored exactly), its Q8_0 embedding does not, and at 4
+# bits it would lose much of the self-draft's acceptance.
 SELF_DRAFT_EMBEDDING = "f16"
 
 BUDGETS: dict[str, Budget] = {
@@ -116,7 +127,6 @@ def _default_eval_set(run_dir: Path) -> tuple[str, str]:
     if mt_bench.is_file():
         return str(mt_bench), "mt_bench"
     # Without ../shared: a held-out slice of the built-in templates (seed differs from training's).
-    from .data import PromptsConfig, build_prompts
     out = run_dir / "heldout_templates" / "prompts.jsonl"
     if not out.is_file():
         build_prompts(PromptsConfig(out=str(out), seed=12345))
@@ -124,8 +134,6 @@ def _default_eval_set(run_dir: Path) -> tuple[str, str]:
 
 
 def run_demo(cfg: DemoConfig) -> int:
-    import torch
-
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.threads:
@@ -144,15 +152,6 @@ def run_demo(cfg: DemoConfig) -> int:
 
 
 def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
-    from .data import PromptsConfig, build_prompts
-    from .drafters import DEFAULT_HYBRID_MIN_NGRAM
-    from .evaluate import EvalConfig, run_eval
-    from .pack import PackConfig, run_pack
-    from .selfcheck import SelfcheckConfig, ServerProcess, run_selfcheck
-    from .speculate import SpeculateConfig, run_speculate
-    from .traces import TracesConfig, ValidationConfig, run_traces, run_validation
-    from .train import TrainConfig, build_init, run_train
-
     eval_set, eval_kind = (cfg.eval_set, "given") if cfg.eval_set else _default_eval_set(run_dir)
     manifest = cfg.manifest or _default_manifest()
 
@@ -181,13 +180,11 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
                             qat_group_size=pack_cfg.group_size if budget.qat else None)
     _stage(run_dir, "train", train_cfg.to_json_dict(), lambda: _train_result(run_train(train_cfg)))
 
-    def save_init():
-        model, tokenizer, source = build_init(init_spec)
-        model.save_pretrained(run_dir / "init", safe_serialization=True)
-        tokenizer.save_pretrained(run_dir / "init")
+    def write_init():
+        source = save_init(init_spec, run_dir / "init")
         atomic_write_json(run_dir / "init" / "init_source.json", source)
         return {"init": init_spec}
-    _stage(run_dir, "init", {"init": init_spec}, save_init)
+    _stage(run_dir, "init", {"init": init_spec}, write_init)
 
     _stage(run_dir, "pack", pack_cfg.to_json_dict(), lambda: {"bytes": _pack_bytes(run_pack(pack_cfg))})
 
@@ -207,7 +204,7 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
     # The trained draft is measured the way it ships: packed, behind the HTTP server.
     def eval_served():
         server = ServerProcess(run_dir / "model", run_dir / "eval" / "served_server.log",
-                               ["--threads", str(cfg.threads)] if cfg.threads else None)
+                               ["--threads", str(cfg.threads)] if cfg.threads else ())
         try:
             ok, detail = server.wait_ready(300)
             if not ok:
@@ -243,7 +240,6 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
 
     audit_exit = None
     if cfg.audit:
-        from .audit import AuditConfig, run_audit
         audit_exit = run_audit(AuditConfig(run_dir=str(run_dir)))
 
     arch = read_json(run_dir / "model" / "architecture.json")

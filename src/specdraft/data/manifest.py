@@ -12,6 +12,7 @@ every reader is known. Relative paths resolve against the manifest's own folder.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -21,12 +22,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..provenance import sha256_file
-from .readers import READERS
+from specdraft.core.io import COMMIT_RE, SHA256_RE, sha256_file
+from specdraft.data.readers import READERS
 
 SCHEMA_VERSION = 1
-COMMIT_RE = re.compile(r"[0-9a-f]{40}")
-SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
 # A split whose name contains one of these words is an evaluation split ("test_sft", "validation[:5%]").
 EVAL_SPLIT_WORDS = {"validation", "valid", "val", "test", "dev", "eval", "evaluation", "heldout"}
 # Readers that take one record to one prompt; "templates" belongs to kind "templates" only.
@@ -250,7 +251,6 @@ def _describe_validation(e: ValidationError, data: Any) -> str:
 
 
 def _sha256_bytes(raw: bytes) -> str:
-    import hashlib
     return hashlib.sha256(raw).hexdigest()
 
 

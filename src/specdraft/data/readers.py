@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import datasets
+import pyarrow.parquet as pq
+
 USER_ROLES = {"user", "human"}
 ASSISTANT_ROLES = {"assistant", "gpt", "model", "chatgpt", "bot"}
 
@@ -297,8 +300,6 @@ def _skip_ws(text: str, pos: int) -> int:
 
 
 def _iter_parquet(path: Path) -> Iterator[Record]:
-    import pyarrow.parquet as pq
-
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid and friends
@@ -314,10 +315,6 @@ def load_hub_records(repo_id: str, revision: str, split: str, subset: str | None
                      columns: list[str] | None = None) -> tuple[Iterator[Record], dict[str, Any]]:
     """Rows of a hub dataset at a pinned revision, via `datasets`; a clear DataSourceError when offline."""
     label = f"hf://{repo_id}@{revision}/{split}"
-    try:
-        import datasets
-    except ImportError as e:  # pragma: no cover - datasets is a dependency
-        raise DataSourceError(f"{label}: the `datasets` package is needed for hub corpora") from e
     try:
         ds = datasets.load_dataset(repo_id, subset, split=split, revision=revision)
     except Exception as e:

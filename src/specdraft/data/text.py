@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Iterable, Sequence
 
+from datasketch import MinHash, MinHashLSH
+
 _WORD_RE = re.compile(r"\w+")
 # Unicode spaces other than tab/newline (no-break, thin, ideographic, zero-width ...) become a plain space.
 _ODD_SPACE_RE = re.compile(r"[\u00a0\u1680\u2000-\u200b\u202f\u205f\u3000\ufeff\x0b\x0c]")
@@ -111,7 +113,6 @@ def near_duplicates(texts: Sequence[str], threshold: float = 0.8, num_perm: int 
     the MinHash estimate, so a report always means estimated similarity >= threshold; bands are chosen by
     ``lsh_bands`` so that a pair at the threshold is a candidate with probability >= 0.99. Deterministic.
     """
-    from datasketch import MinHash, MinHashLSH
 
     if not texts:
         return []

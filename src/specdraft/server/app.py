@@ -10,23 +10,39 @@ thread, so the event loop never waits on torch. Every error is JSON ``{"error", 
 import asyncio
 import logging
 import os
+import signal
 import socket
 import threading
 import time
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any, Callable
 
+import torch
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .batcher import BatchFailedError, Batcher, BatcherClosedError, QueueFullError
-from .config import ServeConfig
-from .metrics import ServerMetrics
-from .schema import DraftResponse, ErrorDetail, ErrorResponse, Health, draft_request_model, validation_details
+from specdraft import __version__
+from specdraft.model.loader import ModelLoadError
+from specdraft.model.specs import load_config
+from specdraft.server.batcher import Batcher, BatcherClosedError, BatchFailedError, QueueFullError
+from specdraft.server.config import ServeConfig
+from specdraft.server.engine import heap_trimmer, load_engine
+from specdraft.server.metrics import ServerMetrics
+from specdraft.server.schema import (
+    DraftResponse,
+    ErrorDetail,
+    ErrorResponse,
+    Health,
+    draft_request_model,
+    validation_details,
+)
 
-log = logging.getLogger("specdraft.server")
+log = logging.getLogger(__name__)
+
 
 JSON_ROUTES = {("POST", "/draft")}
 RETRY_AFTER_S = 1
@@ -62,11 +78,9 @@ class ServerState:
         cfg = self.config
         step = engine.draft
         if cfg.trim_heap:
-            from .engine import heap_trimmer
             trim = heap_trimmer()
             if trim is not None:
-                # loading freed the float32 model it started from: ~340 MB of RSS on the 24-layer int4 draft
-                # (1,148 -> 810 MB) that glibc would otherwise keep
+                # loading freed the float32 model it started from: memory glibc would otherwise keep
                 trim()
                 step = trimmed(engine.draft, trim)
             else:
@@ -113,14 +127,11 @@ def resolve_limits(config: ServeConfig, vocab_size: int, max_positions: int | No
 
 def _model_facts(config: ServeConfig) -> tuple[int, int | None]:
     """vocab size and positions from config.json, without loading weights (for the request schema)."""
-    from pathlib import Path
 
-    from .. import qd4
-    from .engine import ModelLoadError
     if not (Path(config.model_dir) / "config.json").is_file():
         raise ModelLoadError(f"{config.model_dir}: not a model dir (no config.json)")
     try:
-        cfg = qd4.load_config(config.model_dir)
+        cfg = load_config(config.model_dir)
     except ValueError as e:
         raise ModelLoadError(f"{config.model_dir}: cannot read the model config ({e})") from e
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -144,7 +155,6 @@ def create_app(config: ServeConfig, engine: Any = None,
     state = ServerState(config, metrics)
 
     def load() -> None:
-        from .engine import load_engine
         try:
             loaded = load_engine(config.model_dir, config.weights, config.compute, config.model_name,
                                  config.dense_prefill, config.lean)
@@ -354,7 +364,6 @@ def _is_json(content_type: str | None) -> bool:
 
 
 def _version() -> str:
-    from .. import __version__
     return __version__
 
 
@@ -366,10 +375,6 @@ class _Server:
     of it; here the drained server returns and `serve` exits 0)."""
 
     def __new__(cls, config: Any, on_started: Callable[[], None]):
-        import signal
-
-        import uvicorn
-
         class Server(uvicorn.Server):
             async def startup(self, sockets: list[socket.socket] | None = None) -> None:
                 await super().startup(sockets=sockets)
@@ -417,8 +422,6 @@ def url_of(sock: socket.socket) -> str:
 
 
 def make_server(config: ServeConfig, app: FastAPI, sock: socket.socket, on_started: Callable[[], None]):
-    import uvicorn
-
     uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                                timeout_graceful_shutdown=max(1, int(config.request_timeout_s) + 5),
                                backlog=max(2048, config.max_queue))
@@ -427,7 +430,6 @@ def make_server(config: ServeConfig, app: FastAPI, sock: socket.socket, on_start
 
 def run_server(config: ServeConfig) -> int:
     """`specdraft serve`: bind, start loading the weights, serve until SIGINT/SIGTERM; drain on the way out."""
-    import torch
 
     threads = config.threads or max(1, (os.cpu_count() or 2) - 1)
     torch.set_num_threads(threads)

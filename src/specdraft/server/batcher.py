@@ -20,7 +20,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-log = logging.getLogger("specdraft.server")
+log = logging.getLogger(__name__)
+
 
 Step = Callable[[list[list[int]], int], Sequence[Sequence[int]]]
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..config import StageConfig
+from specdraft.core.config import StageConfig
 
 
 class ServeConfig(StageConfig):
@@ -30,19 +30,19 @@ class ServeConfig(StageConfig):
                                             "HTTP side; at least 1)")
     compute: Literal["float32", "bfloat16", "int4"] = Field(
         "int4", description="format of the linear layers: float32, bfloat16 weights, or the QD04 4-bit codes run "
-                            "by torch's CPU int4 kernel (measured fastest at batch 1; BENCHMARKS.md)")
+                            "by torch's CPU int4 kernel (the fewest bytes read per decode step)")
     dense_prefill: bool = Field(
         True, description="with compute=int4, run the prefill of the contexts as a dense bf16 matmul (a bf16 "
-                          "copy of the layer weights, ~2.3x faster than the int4 kernel at many rows); decode "
+                          "copy of the layer weights, faster than the int4 kernel at many rows); decode "
                           "steps stay on the 4-bit codes")
     lean: bool = Field(
-        True, description="run decode steps through specdraft's written-out Llama/Qwen forward (specdraft.lean: "
+        True, description="run decode steps through specdraft's written-out Llama/Qwen forward (specdraft.model.lean: "
                           "the same logits bit for bit, q/k/v in one int4 call, less per-call overhead); off, or "
                           "for other architectures, transformers' own forward")
     trim_heap: bool = Field(
         True, description="hand freed memory back to the OS after every model step (glibc malloc_trim): batches "
                           "of varying shapes otherwise leave the heap fragmented and the RSS climbing "
-                          "(BENCHMARKS.md); no-op without glibc")
+                          "no-op without glibc")
     max_queue: int = Field(256, ge=1, le=1_000_000,
                            description="requests that may wait for the worker; beyond it: 503 + Retry-After")
     max_body_bytes: int = Field(1 << 20, ge=256, description="largest request body accepted (413 beyond)")

@@ -1,0 +1,234 @@
+"""The traces link: the completions trained on are the declared target's own greedy choices for this run's
+prompts, and the validation points come from the same target.
+
+It proves that traces.summary.json describes a complete greedy run (hf or vllm backend, no sampling setting) of a
+pinned target still on disk with the recorded weights; that the rows, token counts, finish reasons and sha256
+are the recorded ones; that every trace id is a prompt of prompts.jsonl with the same source, and its
+prompt_ids are that prompt in the target's chat template; that a few completions re-scored by the target are
+its teacher-forced argmax; and that validation.jsonl is complete and decoded by the same target.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from specdraft.audit.context import AuditContext, lookup, short
+from specdraft.audit.models import argmax_mismatches, check_model_source, spread
+from specdraft.model.chat import encode_prompts
+from specdraft.model.specs import tokenizer_fingerprint
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "do_sample", "sampling", "min_p", "typical_p")
+
+
+def audit_traces(ctx: AuditContext) -> None:
+    ctx.section = "traces"
+    p = ctx.paths
+    ctx.expect([(p.traces, "the target's traces, written by specdraft traces"),
+                (p.traces_summary, "written by specdraft traces"),
+                (p.validation, "evaluation points, written by specdraft validation"),
+                (p.validation_summary, "written by specdraft validation")])
+    summary = ctx.traces_summary
+    if summary is None:  # what needs no summary still runs
+        ctx.guard("trace ids", lambda: _ids(ctx))
+        ctx.guard("validation", lambda: _validation(ctx, {}))
+        return
+    ctx.guard("traces summary", lambda: _summary(ctx, summary))
+    ctx.guard("target declared", lambda: _target(ctx, summary))
+    ctx.guard("greedy", lambda: _greedy(ctx, summary))
+    ctx.guard("traces counts", lambda: _counts(ctx, summary))
+    ctx.guard("trace ids", lambda: _ids(ctx))
+    ctx.guard("prompt ids", lambda: _prompt_ids(ctx, summary))
+    ctx.guard("finish reasons", lambda: _finish(ctx, summary))
+    ctx.guard("validation", lambda: _validation(ctx, summary))
+
+
+def _summary(ctx: AuditContext, s: dict) -> None:
+    sp = ctx.paths.traces_summary
+    ok = s.get("stage") == "traces" and s.get("status") == "complete"
+    ctx.add("traces complete", "pass" if ok else "fail",
+            f"stage {s.get('stage')!r}, status {s.get('status')!r}",
+            [ctx.cite(sp, "stage"), ctx.cite(sp, "status")])
+
+
+def _target(ctx: AuditContext, s: dict) -> None:
+    check_model_source(ctx, s.get("target"), ctx.paths.traces_summary, "target", "target declared", "target")
+    tok = ctx.tokenizer()
+    recorded = lookup(s, "resume_key.tokenizer")
+    if tok is not None and tok[2] and recorded:
+        ctx.check_equal("target tokenizer", tokenizer_fingerprint(tok[0]), recorded,
+                        "vocabulary sha256 of the target's tokenizer and the one the traces recorded",
+                        [ctx.cite(ctx.paths.traces_summary, "resume_key.tokenizer")], short)
+
+
+def _greedy(ctx: AuditContext, s: dict) -> None:
+    sp = ctx.paths.traces_summary
+    config = s.get("config") or {}
+    sampling = sorted(k for k in config if any(w in k.lower() for w in SAMPLING_KEYS))
+    backend = s.get("backend") or config.get("backend")
+    ok = not sampling and backend in ("hf", "vllm")
+    ctx.add("greedy", "pass" if ok else "fail",
+            f"backend {backend!r} decodes greedily only; no sampling settings in the config" if ok else
+            f"backend {backend!r}, sampling settings {sampling}: not the greedy traces stage",
+            [ctx.cite(sp, "backend"), ctx.cite(sp, "config")])
+    n = ctx.cfg.greedy_check
+    rows = [t for t in ctx.traces or [] if t.get("completion_ids") and t.get("prompt_ids")]
+    if n == 0:
+        ctx.add("greedy re-scored", "skip", "--greedy-check 0", [ctx.cite(ctx.paths.traces, "completion_ids")])
+        return
+    if not rows:
+        ctx.add("greedy re-scored", "skip", "no traces", [ctx.cite(sp, "target.path")])
+        return
+    model, why, field = ctx.rescoring_model(lookup(s, "target.weights_sha256"))
+    if model is None:
+        ctx.add("greedy re-scored", "skip", why, [ctx.cite(sp, field)])
+        return
+    picks = spread(rows, n)
+    mismatched, total, bad = argmax_mismatches(model, picks, "completion_ids", "traces.jsonl")
+    cites = [ctx.cite(ctx.paths.traces, "completion_ids"), ctx.cite(sp, "target.path")]
+    if not mismatched:
+        ctx.add("greedy re-scored", "pass", f"{len(picks)} traces re-scored with the target: all {total} "
+                                            "completion tokens are its argmax", cites)
+    elif mismatched <= max(1, total // 100):
+        ctx.add("greedy re-scored", "warn", f"{mismatched} of {total} completion tokens differ from the "
+                                            "target's teacher-forced argmax (float near-ties?)", cites, bad)
+    else:
+        ctx.add("greedy re-scored", "fail", f"{mismatched} of {total} completion tokens are not the target's "
+                                            "greedy choice", cites, bad)
+
+
+def _counts(ctx: AuditContext, s: dict) -> None:
+    sp, tp = ctx.paths.traces_summary, ctx.paths.traces
+    if ctx.traces is None:
+        return
+    ctx.check_equal("traces sha256", ctx.sha(tp), s.get("traces_sha256"),
+                    "traces.jsonl and traces.summary.json (sha256)",
+                    [ctx.cite(tp), ctx.cite(sp, "traces_sha256")], short)
+    rows = ctx.traces
+    recount = {"rows": len(rows),
+               "prompt_tokens": sum(len(t.get("prompt_ids") or []) for t in rows),
+               "completion_tokens": sum(len(t.get("completion_ids") or []) for t in rows)}
+    reasons = Counter(t.get("finish_reason") for t in rows)
+    wrong = [f"{k}: {v} in traces.jsonl, {s.get(k)} recorded" for k, v in recount.items() if s.get(k) != v]
+    recorded_reasons = s.get("finish_reasons") or {}
+    wrong += [f"finish_reasons.{r}: {reasons.get(r, 0)} in traces.jsonl, {recorded_reasons.get(r)} recorded"
+              for r in set(reasons) | set(recorded_reasons) if reasons.get(r, 0) != recorded_reasons.get(r, 0)]
+    ctx.add("traces counts", "fail" if wrong else "pass",
+            "counts differ from traces.summary.json" if wrong else
+            f"{len(rows)} rows, {recount['prompt_tokens']} prompt + {recount['completion_tokens']} completion "
+            "tokens, finish reasons " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=str)),
+            [ctx.cite(sp, "rows"), ctx.cite(sp, "prompt_tokens"), ctx.cite(sp, "completion_tokens"),
+             ctx.cite(sp, "finish_reasons")], wrong)
+    ctx.facts["traces"] = recount
+    if ctx.paths.prompts.is_file():
+        ctx.check_equal("traces prompts sha256", ctx.sha(ctx.paths.prompts), lookup(s, "prompts.sha256"),
+                        "prompts.jsonl and the prompts the traces were decoded from (sha256)",
+                        [ctx.cite(ctx.paths.prompts), ctx.cite(sp, "prompts.sha256")], short)
+
+
+def _ids(ctx: AuditContext) -> None:
+    tp = ctx.paths.traces
+    if ctx.traces is None or ctx.prompts is None:
+        ctx.add("trace ids in prompts", "skip", "traces.jsonl or prompts.jsonl missing", [ctx.cite(tp, "id")])
+        return
+    prompts = {str(r.get("id")): r for r in ctx.prompts}
+    ids = Counter(str(t.get("id")) for t in ctx.traces)
+    missing = [f"line {t['_line']}: id {t.get('id')!r}" for t in ctx.traces if str(t.get("id")) not in prompts]
+    dupes = [f"id {i!r} appears {n} times" for i, n in ids.items() if n > 1]
+    wrong_source = [f"line {t['_line']}: id {t.get('id')!r} source {t.get('source')!r}, prompts.jsonl says "
+                    f"{prompts[str(t.get('id'))].get('source')!r}" for t in ctx.traces
+                    if str(t.get("id")) in prompts and t.get("source") != prompts[str(t.get("id"))].get("source")]
+    cites = [ctx.cite(tp, "id"), ctx.cite(ctx.paths.prompts, "id")]
+    if missing or dupes:
+        ctx.add("trace ids in prompts", "fail", f"{len(missing)} trace ids are not in prompts.jsonl, "
+                                                f"{len(dupes)} repeated", cites, missing + dupes)
+    else:
+        ctx.add("trace ids in prompts", "pass", f"all {len(ctx.traces)} trace ids are in prompts.jsonl "
+                                                f"({len(prompts) - len(ids)} prompts without a trace)", cites)
+    if wrong_source:
+        ctx.add("trace sources", "fail", f"{len(wrong_source)} traces name a different source than their prompt",
+                [ctx.cite(tp, "source"), ctx.cite(ctx.paths.prompts, "source")], wrong_source)
+
+
+def _prompt_ids(ctx: AuditContext, s: dict) -> None:
+    tp = ctx.paths.traces
+    tok = ctx.tokenizer()
+    if ctx.traces is None or ctx.prompts is None or tok is None or not tok[2]:
+        ctx.add("prompt ids", "skip", "needs traces.jsonl, prompts.jsonl and the target's tokenizer",
+                [ctx.cite(tp, "prompt_ids")])
+        return
+    prompts = {str(r.get("id")): r.get("prompt") for r in ctx.prompts}
+    rows = [t for t in ctx.traces if str(t.get("id")) in prompts]
+    encoded = encode_prompts(tok[0], [prompts[str(t.get("id"))] for t in rows])
+    bad = [f"line {t['_line']}: id {t.get('id')!r}" for t, ids in zip(rows, encoded)
+           if list(t.get("prompt_ids") or []) != list(ids)]
+    cites = [ctx.cite(tp, "prompt_ids"), ctx.cite(ctx.paths.prompts, "prompt"),
+             ctx.cite(ctx.paths.traces_summary, "chat_template")]
+    if bad:
+        ctx.add("prompt ids", "fail", f"{len(bad)} traces' prompt_ids are not their prompt in the target's "
+                                      "chat template", cites, bad)
+    else:
+        ctx.add("prompt ids", "pass", f"all {len(rows)} traces' prompt_ids are their prompt.jsonl text in the "
+                                      "target's chat template", cites)
+
+
+def _eos_ids(ctx: AuditContext) -> set[int]:
+    for d in (ctx.target_dir(), ctx.paths.checkpoint, ctx.paths.model_dir):
+        for name in ("generation_config.json", "config.json"):
+            f = Path(d, name) if d else None
+            if f is not None and f.is_file():
+                eos = json.loads(f.read_text()).get("eos_token_id")
+                if eos is not None:
+                    return set(eos) if isinstance(eos, list) else {int(eos)}
+    return set()
+
+
+def _finish(ctx: AuditContext, s: dict) -> None:
+    if ctx.traces is None:
+        return
+    max_new = lookup(s, "config.max_new_tokens")
+    eos = _eos_ids(ctx)
+    bad = []
+    for t in ctx.traces:
+        comp, reason = t.get("completion_ids") or [], t.get("finish_reason")
+        where = f"line {t['_line']}: id {t.get('id')!r}"
+        if reason == "length" and max_new is not None and len(comp) != max_new:
+            bad.append(f"{where}: finish_reason length with {len(comp)} tokens (max_new_tokens {max_new})")
+        elif reason == "eos" and eos and (not comp or comp[-1] not in eos):
+            bad.append(f"{where}: finish_reason eos but the last token is not an EOS id {sorted(eos)}")
+        elif reason not in ("eos", "length"):
+            bad.append(f"{where}: finish_reason {reason!r}")
+        elif max_new is not None and len(comp) > max_new:
+            bad.append(f"{where}: {len(comp)} tokens > max_new_tokens {max_new}")
+    cites = [ctx.cite(ctx.paths.traces, "finish_reason"), ctx.cite(ctx.paths.traces_summary,
+                                                                   "config.max_new_tokens")]
+    ctx.add("finish reasons", "fail" if bad else "pass",
+            f"{len(bad)} traces end inconsistently with their finish_reason" if bad else
+            f"every trace ends at an EOS {sorted(eos)} or at max_new_tokens={max_new}", cites, bad)
+
+
+def _validation(ctx: AuditContext, s: dict) -> None:
+    vp, vs_path = ctx.paths.validation, ctx.paths.validation_summary
+    vs = ctx.validation_summary
+    if vs is None:
+        return
+    ok = vs.get("stage") == "validation" and vs.get("status") == "complete"
+    ctx.add("validation complete", "pass" if ok else "fail",
+            f"stage {vs.get('stage')!r}, status {vs.get('status')!r}", [ctx.cite(vs_path, "status")])
+    if vp.is_file():
+        ctx.check_equal("validation sha256", ctx.sha(vp), vs.get("validation_sha256"),
+                        "validation.jsonl and validation.summary.json (sha256)",
+                        [ctx.cite(vp), ctx.cite(vs_path, "validation_sha256")], short)
+        with open(vp, encoding="utf-8") as f:
+            points = sum(1 for line in f if line.strip())
+        ctx.check_equal("validation points", points, vs.get("points"), "evaluation points",
+                        [ctx.cite(vp), ctx.cite(vs_path, "points")])
+    t, v = s.get("target") or {}, vs.get("target") or {}
+    ctx.check_equal("validation target", (v.get("spec"), v.get("weights_sha256")),
+                    (t.get("spec"), t.get("weights_sha256")),
+                    "the validation stage's target and the traces' target (spec, weights sha256)",
+                    [ctx.cite(vs_path, "target.spec"), ctx.cite(vs_path, "target.weights_sha256"),
+                     ctx.cite(ctx.paths.traces_summary, "target.spec"),
+                     ctx.cite(ctx.paths.traces_summary, "target.weights_sha256")],
+                    lambda x: f"{x[0]} {short(x[1])}")

@@ -1,0 +1,54 @@
+"""A draft model behind prompt lookup: where the context's last ``min_ngram`` (or more, up to ``max_ngram``)
+tokens occurred earlier, propose what followed them (free); elsewhere ask the model.
+
+The two fail in different places: lookup wins in repetitive stretches (lists, code, restated text) and has
+nothing to say elsewhere; the model drafts everywhere but pays a forward pass per token. The model stays pure
+inference (the draft server never sees the lookup); the combination lives in the client.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from specdraft.drafting.base import Drafter, DrafterError
+from specdraft.drafting.lookup import MAX_NGRAM, lookup_draft
+
+DEFAULT_HYBRID_MIN_NGRAM = 2
+
+
+class HybridDrafter(Drafter):
+    """``lookup_used`` / ``model_used`` count the contexts each side answered. A kept draft cache behind it
+    stays correct across the contexts lookup answered: ``CachedDraftModel`` catches up on whatever the context
+    gained since its last call."""
+
+    def __init__(self, model_drafter: Drafter, min_ngram: int = DEFAULT_HYBRID_MIN_NGRAM, max_ngram: int = MAX_NGRAM,
+                 name: str | None = None):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.model_drafter, self.min_ngram, self.max_ngram = model_drafter, min_ngram, max_ngram
+        self.name = name or f"{model_drafter.name}+lookup{min_ngram}"
+        self.model = getattr(model_drafter, "model", None)  # eval checks token ids against its vocab
+        self.concurrency = getattr(model_drafter, "concurrency", 4)
+        self.lookup_used = self.model_used = 0
+
+    def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
+        out = [lookup_draft(c, num_tokens, self.max_ngram, self.min_ngram) for c in contexts]
+        ask = [i for i, d in enumerate(out) if not d]
+        if ask:
+            drafts = self.model_drafter.draft([contexts[i] for i in ask], num_tokens)
+            if len(drafts) != len(ask):
+                raise DrafterError(f"model drafter returned {len(drafts)} drafts for {len(ask)} contexts")
+            for i, d in zip(ask, drafts):
+                out[i] = list(d)
+        self.lookup_used += len(contexts) - len(ask)
+        self.model_used += len(ask)
+        return out
+
+    def reset(self) -> None:
+        self.model_drafter.reset()
+
+    def take_latencies(self) -> list[float]:
+        return self.model_drafter.take_latencies()
+
+    def close(self) -> None:
+        self.model_drafter.close()

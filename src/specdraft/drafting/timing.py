@@ -1,0 +1,153 @@
+"""Speculative decoding timed against plain greedy, side by side in one run (the ``speculate`` stage and the
+benchmarks): every (drafter, k) on every prompt, in an order rotated per prompt so that machine noise spreads
+evenly, each output checked against plain greedy."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from specdraft.drafting.base import Drafter, NoDraft
+from specdraft.drafting.speculative import SpecGeneration, first_mismatch, speculative_generate
+from specdraft.model.decode import eos_token_ids, greedy_decode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prompt:
+    """A prompt as the target's token ids."""
+
+    id: str
+    ids: list[int]
+
+
+@dataclass
+class SpeculationTotals:
+    tokens: int = 0
+    seconds: float = 0.0  # wall clock
+    cpu_seconds: float = 0.0  # this process's CPU time (at 1 thread: immune to other processes' load)
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_seconds: float = 0.0
+    mismatches: int = 0
+    runs: int = 0
+    lookup_steps: int | None = None  # hybrid drafters: steps prompt lookup answered (no draft forward)
+
+    def add(self, gen, wall: float, cpu: float) -> None:
+        self.runs += 1
+        self.tokens += len(gen.tokens)
+        self.seconds += wall
+        self.cpu_seconds += cpu
+        if isinstance(gen, SpecGeneration):
+            self.steps += gen.steps
+            self.drafted += gen.drafted
+            self.accepted += gen.accepted
+            self.draft_seconds += gen.draft_seconds
+
+    def rates(self) -> dict[str, float]:
+        return {"wall": self.tokens / self.seconds if self.seconds else 0.0,
+                "cpu": self.tokens / self.cpu_seconds if self.cpu_seconds else 0.0}
+
+    def summary(self, baseline: "SpeculationTotals", clock: str) -> dict[str, Any]:
+        mine, base = self.rates(), baseline.rates()
+        speed = {c: mine[c] / base[c] if base[c] else 0.0 for c in mine}
+        return {
+            "tokens": self.tokens, "seconds": self.seconds, "cpu_seconds": self.cpu_seconds,
+            "tokens_per_s": mine[clock], "speedup": speed[clock],
+            "tokens_per_s_wall": mine["wall"], "speedup_wall": speed["wall"],
+            "tokens_per_s_cpu": mine["cpu"], "speedup_cpu": speed["cpu"],
+            "verify_steps": self.steps,
+            "accepted_per_step": self.accepted / self.steps if self.steps else 0.0,
+            # the prefill gives each run its first token; every other token came out of a verify step
+            "tokens_per_step": (self.tokens - self.runs) / self.steps if self.steps else 0.0,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            **({"lookup_step_share": self.lookup_steps / self.steps if self.steps else 0.0}
+               if self.lookup_steps is not None else {}),
+            "draft_time_share": self.draft_seconds / self.seconds if self.seconds else 0.0,
+            "mismatches": self.mismatches,
+        }
+
+
+def timed(fn):
+    w0, c0 = time.perf_counter(), time.process_time()
+    result = fn()
+    return result, time.perf_counter() - w0, time.process_time() - c0
+
+
+def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], prompts: Sequence[Prompt],
+                          ks: Sequence[int], max_new_tokens: int, warmup: bool = True,
+                          progress: bool = False, clock: str = "wall") -> dict[str, Any]:
+    """Time plain greedy and every (drafter, k) on every prompt; check each output against greedy.
+
+    Per prompt: ``greedy_decode`` at batch 1 gives the reference tokens (timed too, for information);
+    then the baseline (the speculative loop with no drafts: one target forward per token) and every
+    speculative run, in an order rotated from prompt to prompt so that machine noise spreads evenly.
+    Both clocks are recorded; ``clock`` picks the one behind ``tokens_per_s``, ``speedup`` and best k.
+    """
+    eos = eos_token_ids(target)
+    baseline = ("baseline", NoDraft(), 1)
+    runs = [baseline] + [(name, drafter, k) for name, drafter, _ in drafters for k in ks]
+    if warmup and prompts:
+        warm = prompts[0].ids
+        greedy_decode(target, [warm], min(8, max_new_tokens), eos_ids=eos)
+        for _, drafter, k in runs:
+            speculative_generate(target, drafter, warm, min(8, max_new_tokens), k, eos)
+    reference = SpeculationTotals()
+    totals = {(name, k): SpeculationTotals() for name, _, k in runs}
+    rows, mismatches = [], []
+    iterator = prompts
+    if progress:
+        iterator = tqdm(prompts, desc="speculate", unit="prompt")
+    for i, prompt in enumerate(iterator):
+        (ref,), wall, cpu = timed(lambda: greedy_decode(target, [prompt.ids], max_new_tokens, eos_ids=eos))
+        reference.add(ref, wall, cpu)
+        row = {"id": prompt.id, "prompt_tokens": len(prompt.ids), "new_tokens": len(ref.tokens),
+               "finish_reason": ref.finish_reason, "greedy_decode_seconds": wall, "runs": {}}
+        shift = i % len(runs)
+        for name, drafter, k in runs[shift:] + runs[:shift]:
+            looked_up = getattr(drafter, "lookup_used", None)
+            gen, wall, cpu = timed(lambda: speculative_generate(target, drafter, prompt.ids, max_new_tokens, k, eos))
+            tot = totals[(name, k)]
+            tot.add(gen, wall, cpu)
+            if looked_up is not None:
+                tot.lookup_steps = (tot.lookup_steps or 0) + drafter.lookup_used - looked_up
+            bad = first_mismatch(gen.tokens, ref.tokens)
+            if bad is not None or gen.finish_reason != ref.finish_reason:
+                tot.mismatches += 1
+                mismatches.append({"prompt": prompt.id, "drafter": name, "k": k, "first_mismatch": bad,
+                                   "greedy_tokens": len(ref.tokens), "speculative_tokens": len(gen.tokens)})
+                log.error("MISMATCH prompt %s drafter %s k=%d: first differing token at %s", prompt.id, name, k, bad)
+            key = "baseline" if name == "baseline" else f"{name}/k={k}"
+            row["runs"][key] = {"seconds": wall, "cpu_seconds": cpu, "steps": gen.steps, "accepted": gen.accepted,
+                                "drafted": gen.drafted}
+        rows.append(row)
+    base = totals[("baseline", 1)]
+    results: dict[str, dict[str, Any]] = {}
+    for name, _, _ in drafters:
+        per_k = {str(k): totals[(name, k)].summary(base, clock) for k in ks}
+        best_k = max(ks, key=lambda k: per_k[str(k)]["tokens_per_s"])
+        results[name] = {"per_k": per_k, "best_k": best_k, "best_tokens_per_s": per_k[str(best_k)]["tokens_per_s"],
+                         "best_speedup": per_k[str(best_k)]["speedup"]}
+    base_rates, ref_rates = base.rates(), reference.rates()
+    return {
+        "clock": clock,
+        "baseline": {"what": "plain greedy in the same loop (no drafts: one target forward per token), "
+                             "alternated with the speculative runs",
+                     "tokens": base.tokens, "seconds": base.seconds, "cpu_seconds": base.cpu_seconds,
+                     "tokens_per_s": base_rates[clock], "tokens_per_s_wall": base_rates["wall"],
+                     "tokens_per_s_cpu": base_rates["cpu"], "mismatches": base.mismatches},
+        "greedy_decode": {"what": "specdraft.model.decode.greedy_decode at batch 1: the reference tokens",
+                          "tokens": reference.tokens, "seconds": reference.seconds,
+                          "tokens_per_s": ref_rates[clock], "tokens_per_s_wall": ref_rates["wall"],
+                          "tokens_per_s_cpu": ref_rates["cpu"]},
+        "drafters": results,
+        "mismatches": mismatches,
+        "lossless": not mismatches,
+        "per_prompt": rows,
+    }

@@ -1,0 +1,189 @@
+"""`specdraft eval`: how many of a drafter's k tokens the target would accept, on held-out points.
+
+Every validation point holds a context and the target's next 16 greedy tokens; ``drafting.acceptance``
+scores the drafter's k tokens against them. This stage picks the drafter -- the draft server
+(``HTTPDrafter``), a draft model in process (``model.loader.load_draft``: a packed QD04 dir or an HF
+checkpoint dir) or model-free prompt lookup, optionally behind lookup (``HybridDrafter``) -- and writes
+``report.json``, ``report.md`` and PNG plots.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import torch
+from pydantic import Field, model_validator
+
+from specdraft.core import plots
+from specdraft.core.config import StageConfig
+from specdraft.core.io import RecordFileError, atomic_write_json, atomic_write_text, sha256_file
+from specdraft.core.provenance import run_metadata, stage_log
+from specdraft.core.records import load_validation
+from specdraft.drafting.acceptance import evaluate_drafter
+from specdraft.drafting.batched import ModelDrafter
+from specdraft.drafting.hybrid import HybridDrafter
+from specdraft.drafting.lookup import LookupDrafter
+from specdraft.drafting.remote import HTTPDrafter
+from specdraft.model.loader import load_draft
+
+log = logging.getLogger(__name__)
+
+
+class EvalConfig(StageConfig):
+    validation: Path = Field(description="validation.jsonl: {id, category, offset, context_ids, target_ids}")
+    server: str | None = Field(None, description="draft server base URL (POST /draft), e.g. http://127.0.0.1:8000")
+    model_dir: Path | None = Field(None, description="in-process drafter: a packed QD04 model dir "
+                                   "(draft.qd4) or a plain HF checkpoint dir")
+    lookup: bool = Field(False, description="use the model-free prompt-lookup drafter")
+    out: Path = Field(description="report directory (report.json, report.md, PNG plots, eval.log)")
+    k: int = Field(16, ge=1, le=64, description="draft tokens asked per point (validation holds 16 targets)")
+    concurrency: int = Field(8, ge=1, le=256, description="HTTP requests in flight at once (--server)")
+    batch_size: int = Field(16, ge=1, le=1024, description="points per in-process drafter call (--model-dir)")
+    timeout_s: float = Field(120.0, gt=0, description="HTTP timeout per request, seconds")
+    limit: int | None = Field(None, ge=1, description="evaluate only the first N points")
+    compute: Literal["float32", "bfloat16", "int4"] = Field(
+        "float32", description="in-process drafter's linear layers: float32 (QD04 dequantised), bfloat16, or "
+                               "int4 (the QD04 codes, as the server runs them)")
+    plots: bool = Field(True, description="write PNG plots")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads for an in-process drafter (None: "
+                                                        "torch's default)")
+    hybrid_min_ngram: int | None = Field(
+        None, ge=1, le=4, description="with --server or --model-dir: prompt lookup first wherever the context's "
+                                      "last N (or more, up to 4) tokens occurred before, the model only elsewhere "
+                                      "(reported as its own drafter)")
+
+    @model_validator(mode="after")
+    def _one_drafter(self):
+        chosen = [name for name, on in (("--server", self.server), ("--model-dir", self.model_dir),
+                                        ("--lookup", self.lookup)) if on]
+        if len(chosen) != 1:
+            raise ValueError("give exactly one drafter: --server URL, --model-dir DIR or --lookup "
+                             f"(got {', '.join(chosen) or 'none'})")
+        if self.lookup and self.hybrid_min_ngram is not None:
+            raise ValueError("--hybrid-min-ngram puts lookup in front of a model: use it with --server or "
+                             "--model-dir, not --lookup")
+        return self
+
+
+def build_drafter(config: EvalConfig):
+    """(drafter, source description) for the one drafter the config names."""
+
+    if config.lookup:
+        return LookupDrafter(), {"kind": "lookup"}
+    if config.server:
+        drafter, source = (HTTPDrafter(config.server, config.concurrency, config.timeout_s),
+                           {"kind": "http", "url": config.server})
+    else:
+        model, source = load_draft(config.model_dir, config.compute)
+        name = f"{source['format']}:{Path(config.model_dir).name}"
+        drafter, source = (ModelDrafter(model, name=name, max_batch_size=config.batch_size),
+                           {"kind": "in-process", **source})
+    if config.hybrid_min_ngram is not None:
+        drafter = HybridDrafter(drafter, min_ngram=config.hybrid_min_ngram)
+        source = {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "model": source}
+    return drafter, source
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+def report_markdown(report: Mapping[str, Any], title: str = "Draft acceptance") -> str:
+    k = report["k"]
+    lines = [f"# {title}: {report['drafter']}", "",
+             f"{report['points']} evaluation points from {report['prompts']} prompts, k = {k}.", "",
+             "| metric | value |", "|---|---|",
+             f"| mean accepted length, pooled over points (of {k}) | {report['mean_accepted_pooled']:.3f} |",
+             f"| mean accepted length, per-prompt mean (of {k}) | {report['mean_accepted_per_prompt']:.3f} |",
+             f"| tokens per verify step (1 + pooled mean) | {report['tokens_per_verify_step']:.3f} |",
+             f"| P(all {k} accepted) | {report['cumulative_acceptance'][-1]:.3f} |"]
+    hybrid = report.get("hybrid")
+    if hybrid:
+        lines.append(f"| points drafted by prompt lookup (last {hybrid['min_ngram']}+ tokens seen before) / by "
+                     f"the model | {hybrid['lookup_points']} / {hybrid['model_points']} |")
+    lat = report.get("latency") or {}
+    if lat.get("calls"):
+        lines += [f"| latency p50 per {lat['unit']} | {lat['p50_ms']:.1f} ms |",
+                  f"| latency p99 per {lat['unit']} | {lat['p99_ms']:.1f} ms |"]
+    lines += ["", f"_{report['means_note']}_", "",
+              "## Per position", "",
+              "| position | cumulative P(1..i accepted) | conditional P(i \\| < i) |", "|---|---|---|"]
+    support = report.get("conditional_support") or [1] * k
+    for i, (cum, cond, n) in enumerate(zip(report["cumulative_acceptance"], report["conditional_acceptance"],
+                                           support), 1):
+        lines.append(f"| {i} | {cum:.3f} | {f'{cond:.3f} (n={n})' if n else '— (no point got here)'} |")
+    lines += ["", "## Accepted length histogram", "", "| accepted | points |", "|---|---|"]
+    lines += [f"| {a} | {n} |" for a, n in enumerate(report["histogram"])]
+    lines += ["", "## Per category", "", "| category | points | mean accepted |", "|---|---|---|"]
+    for cat, row in report["per_category"].items():
+        lines.append(f"| {cat} | {row['points']} | {row['mean_accepted']:.3f} |")
+    plots = report.get("plots") or []
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(report: Mapping[str, Any], out: Path) -> list[str]:
+    name = report["drafter"]
+    files = [
+        plots.plot_acceptance_per_position(report["cumulative_acceptance"], report["conditional_acceptance"],
+                                           out / "acceptance_per_position.png",
+                                           f"acceptance per position: {name}",
+                                           support=report.get("conditional_support")),
+        plots.plot_histogram(report["histogram"], out / "accepted_length_histogram.png",
+                             f"accepted length (of {report['k']}): {name}"),
+        plots.plot_bars({c: r["mean_accepted"] for c, r in report["per_category"].items()},
+                        out / "acceptance_per_category.png", ylabel=f"mean accepted length (of {report['k']})",
+                        title=f"per category: {name}",
+                        annotate={c: f"{r['mean_accepted']:.2f} (n={r['points']})"
+                                  for c, r in report["per_category"].items()}),
+    ]
+    return [p.name for p in files]
+
+
+def run_eval(config: EvalConfig) -> int:
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    with stage_log(out / "eval.log"):
+        points = load_validation(config.validation, config.k, config.limit)
+        log.info("%d points from %s", len(points), config.validation)
+        drafter, source = build_drafter(config)
+        try:
+            model = getattr(drafter, "model", None)
+            if model is not None:
+                vocab = model.config.vocab_size
+                for p in points:
+                    if max(p.context_ids) >= vocab:
+                        raise RecordFileError(f"{config.validation}: point {p.id!r} (offset {p.offset}) has "
+                                                  f"token id {max(p.context_ids)} >= draft vocab size {vocab}")
+            with torch.inference_mode():  # scoped: a library must not switch autograd off globally
+                report = evaluate_drafter(drafter, points, config.k,
+                                          batch_size=(4 * config.concurrency if config.server
+                                                      else config.batch_size),
+                                          progress=True)
+        finally:
+            if hasattr(drafter, "close"):
+                drafter.close()
+        report["drafter_source"] = source
+        if hasattr(drafter, "lookup_used"):
+            report["hybrid"] = {"min_ngram": drafter.min_ngram, "lookup_points": drafter.lookup_used,
+                                "model_points": drafter.model_used}
+        report["plots"] = write_plots(report, out) if config.plots else []
+        atomic_write_text(out / "report.md", report_markdown(report))
+        report["provenance"] = {
+            **run_metadata(),
+            "stage": "eval",
+            "config": config.to_json_dict(),
+            "validation_sha256": sha256_file(config.validation),
+            "files": {name: sha256_file(out / name) for name in ["report.md", *report["plots"]]},
+        }
+        atomic_write_json(out / "report.json", report)
+        lat = report["latency"]
+        log.info("%s: pooled %.3f, per-prompt %.3f (of %d) over %d points; latency p50 %.1f ms p99 %.1f ms per %s",
+                 report["drafter"], report["mean_accepted_pooled"], report["mean_accepted_per_prompt"], config.k,
+                 report["points"], lat["p50_ms"], lat["p99_ms"], lat["unit"])
+        print(f"{report['drafter']}: mean accepted (of {config.k}) pooled {report['mean_accepted_pooled']:.3f}, "
+              f"per-prompt {report['mean_accepted_per_prompt']:.3f}; report in {out}")
+    return 0

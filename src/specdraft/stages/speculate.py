@@ -1,0 +1,347 @@
+"""`specdraft speculate`: lossless greedy speculative decoding at batch 1, timed against plain greedy.
+
+The algorithm is ``drafting.speculative.speculative_generate``; ``drafting.timing`` runs it for every drafter
+and k against plain greedy in the same loop and checks every output against plain greedy (a mismatch is an
+error). This stage loads the target and the drafters -- an in-process draft keeps its KV cache across steps
+(``CachedDraftModel``), or re-prefills (``ModelDrafter``); the draft server (``HTTPDrafter``); prompt lookup;
+the draft behind lookup -- and writes ``speculate.json``, ``speculate.md`` and a plot of tokens/s per k.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, field_validator
+from transformers import AutoTokenizer
+
+from specdraft.core import plots
+from specdraft.core.config import StageConfig
+from specdraft.core.io import atomic_write_json, atomic_write_text, sha256_file
+from specdraft.core.provenance import run_metadata, stage_log
+from specdraft.core.records import read_prompts
+from specdraft.drafting.base import Drafter
+from specdraft.drafting.batched import ModelDrafter
+from specdraft.drafting.cached import CachedDraftModel
+from specdraft.drafting.calibration import DEFAULT_DRAFT_CONFIDENCE
+from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM, HybridDrafter
+from specdraft.drafting.lookup import LookupDrafter
+from specdraft.drafting.remote import HTTPDrafter
+from specdraft.drafting.timing import Prompt, run_speculation_bench
+from specdraft.model.chat import encode_prompts
+from specdraft.model.lean import CompiledSteps
+from specdraft.model.loader import load_draft
+from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_model, load_tokenizer, tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+# the drafters build_drafters names itself; an also_draft must not take one of them
+RESERVED_DRAFTER_NAMES = frozenset({"baseline", "draft", "draft-eager", "draft-hf", "draft-prob", "draft-reprefill",
+                                    "draft+lookup", "lookup", "server"})
+
+
+class SpeculateConfig(StageConfig):
+    target: str = Field(DEFAULT_TARGET, description="target model spec (local dir | hub:ORG/NAME@REV | embedded:NAME)")
+    draft: str = Field(description="drafter: a draft server URL (http://...), a model dir (packed QD04 or HF "
+                                   "checkpoint) or 'lookup' (model-free prompt lookup)")
+    prompts: Path = Field(description="prompts file: prompts.jsonl ('prompt'), MT-bench ('turns'[0]) or "
+                                      "validation/traces style ('context_ids' / 'prompt_ids', used as is)")
+    out: Path = Field(Path("speculate_out"), description="output dir: speculate.json, speculate.md, PNG, log")
+    max_new_tokens: int = Field(128, ge=1, le=4096, description="tokens generated per prompt")
+    k: list[int] = Field([2, 4, 8, 16], description="draft tokens per step; each value is run (a sweep)",
+                         json_schema_extra={"aliases": ["-k"]})
+    num_prompts: int | None = Field(8, ge=1, description="use the first N prompts (null in a --config file: all)")
+    baseline_lookup: bool = Field(True, description="also run the model-free lookup drafter as the peer baseline")
+    also_draft: list[str] = Field(
+        [], description="more in-process draft model dirs timed in the same run, each as NAME=DIR (e.g. "
+                        "self=runs/demo/model_self: the target's own weights packed), with the main draft's "
+                        "cache, lean, compile, compute and confidence settings; repeatable")
+    draft_cache: Literal["keep", "reprefill", "both"] = Field(
+        "keep", description="in-process draft model: keep its KV cache across steps (rolled back to the "
+                            "accepted prefix), re-prefill the whole context every step, or time both")
+    draft_stop: Literal["calibrated", "probability", "both"] = Field(
+        "calibrated", description="in-process draft model with a kept cache: where a step's draft stops short of "
+                                  "k -- when the estimated probability that the whole draft so far is accepted, "
+                                  "learnt during the run from what the target kept, falls below --draft-confidence "
+                                  "('calibrated'), or after a token whose own probability does ('probability', "
+                                  "transformers' assisted generation); 'both' times the second too, as '<name>-prob'")
+    draft_confidence: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description=f"the --draft-stop rule's threshold (null: each rule's default, {DEFAULT_DRAFT_CONFIDENCE}; "
+                    "0: always k)")
+    draft_lean: Literal["on", "off", "both"] = Field(
+        "on", description="in-process draft model: decode through specdraft.model.lean (the forward written out, same "
+                          "tokens) where it applies, through transformers' forward ('off'), or time both ('both' "
+                          "adds 'draft-hf')")
+    draft_compile: Literal["on", "off", "both"] = Field(
+        "on", description="in-process lean draft: run its one-token steps through torch.compile (inductor; "
+                          "faster steps; compiled during the first ones, a minute or two here with an empty "
+                          "inductor cache; eager if compiling fails), eagerly ('off'), or time both ('both' adds "
+                          "'draft-eager')")
+    chat_template: bool = Field(True, description="wrap text prompts in the target's chat template "
+                                                  "(add_generation_prompt)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="target dtype")
+    draft_compute: Literal["float32", "bfloat16", "int4"] = Field(
+        "int4", description="in-process draft's linear layers: int4 (the QD04 codes run by torch's CPU int4 "
+                            "kernel, as the server runs them: the fewest bytes per draft step), bfloat16 or "
+                            "float32 (the target always runs as loaded)")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
+    warmup: bool = Field(True, description="one short untimed run of every configuration first")
+    note: str | None = Field(None, description="a line for speculate.md, e.g. what the draft is")
+    hybrid_min_ngram: int | None = Field(
+        DEFAULT_HYBRID_MIN_NGRAM, ge=1, le=4,
+        description="with a draft model or server: also run it behind prompt lookup ('<name>+lookup'): lookup's "
+                    "proposal wherever the context's last N (or more, up to 4) tokens occurred before, the draft "
+                    "elsewhere (null: not run)")
+    clock: Literal["wall", "cpu"] = Field(
+        "wall", description="clock behind tokens/s, speedup and best k (both are recorded): wall, or this "
+                            "process's CPU time (use cpu with --threads 1 on a machine shared with other "
+                            "jobs; it does not count a draft server's time)")
+
+    def stop_threshold(self, rule: str) -> float:
+        """``draft_confidence``, or the stop rule's default when it is unset."""
+        conf = self.draft_confidence
+        return DEFAULT_DRAFT_CONFIDENCE[rule] if conf is None else conf
+
+    @field_validator("also_draft")
+    @classmethod
+    def _named_dirs(cls, value: list[str]) -> list[str]:
+        names = []
+        for item in value:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path or name in RESERVED_DRAFTER_NAMES or name in names:
+                raise ValueError(f"also_draft {item!r}: want NAME=DIR with a NAME used once and not one of "
+                                 f"{sorted(RESERVED_DRAFTER_NAMES)}")
+            names.append(name)
+        return value
+
+    @field_validator("k")
+    @classmethod
+    def _k_positive(cls, value: list[int]) -> list[int]:
+        if not value or any(k < 1 or k > 64 for k in value):
+            raise ValueError(f"k must be a non-empty list of ints in 1..64, got {value}")
+        return sorted(set(value))
+
+
+def load_prompts(path: str | os.PathLike, tokenizer, limit: int | None = None,
+                 chat_template: bool = True) -> list[Prompt]:
+    """The prompts of a prompts / MT-bench file as the target's token ids (chat-templated like the traces, so
+    speculation sees what the draft was trained on), or a validation / traces file's token ids as they are
+    (one speculation per prompt, from its first point)."""
+    records = read_prompts(path, token_ids_allowed=True, vocab=len(tokenizer))[:limit]
+    texts = [r.text for r in records if r.ids is None]
+    encoded = iter(encode_prompts(tokenizer, texts, chat_template) if texts else [])
+    return [Prompt(r.id if r.offset is None else f"{r.id}@{r.offset}", r.ids if r.ids is not None else next(encoded))
+            for r in records]
+
+
+def _check_tokenizer(draft_dir: Path, target_tokenizer) -> None:
+    try:
+        draft_tok = AutoTokenizer.from_pretrained(draft_dir)
+    except Exception as e:  # a dir without tokenizer files: nothing to compare
+        log.warning("draft %s: no tokenizer to compare with the target's (%s)", draft_dir, e)
+        return
+    if tokenizer_fingerprint(draft_tok) != tokenizer_fingerprint(target_tokenizer):
+        raise ValueError(f"draft {draft_dir}: its tokenizer differs from the target's (vocabulary hash "
+                         "mismatch); a draft must share the target's token ids")
+
+
+def build_drafters(config: SpeculateConfig, target_tokenizer) -> list[tuple[str, Drafter, dict]]:
+    """(name, drafter, source) for the draft named in the config, plus the lookup peer baseline and every
+    ``also_draft``."""
+    out: list[tuple[str, Drafter, dict]] = []
+    spec = config.draft
+    lean = config.draft_lean != "off"
+    compiled = lean and config.draft_compile != "off"
+    if spec == "lookup":
+        out.append(("lookup", LookupDrafter(), {"kind": "lookup"}))
+    elif spec.startswith(("http://", "https://")):
+        out.append(("server", HTTPDrafter(spec, concurrency=1, name="server"), {"kind": "http", "url": spec}))
+    else:
+        model, source = _in_process_draft(spec, f"--draft {spec!r}: not a URL, not 'lookup' and not a directory",
+                                          config, target_tokenizer)
+        if config.draft_cache in ("keep", "both"):
+            out.append(_kept_cache(config, model, source, "draft", lean, compiled))
+            if config.draft_stop == "both":
+                out.append(_kept_cache(config, model, source, "draft-prob", lean, compiled, "probability"))
+            if compiled and config.draft_compile == "both":
+                out.append(_kept_cache(config, model, source, "draft-eager", True, False))
+            if config.draft_lean == "both":
+                out.append(_kept_cache(config, model, source, "draft-hf", False, False))
+        if config.draft_cache in ("reprefill", "both"):
+            name = "draft-reprefill" if config.draft_cache == "both" else "draft"
+            out.append((name, ModelDrafter(model, name=name, max_batch_size=1), {**source, "draft_cache": "reprefill"}))
+    if config.hybrid_min_ngram is not None and spec != "lookup":
+        # Its own drafter instance (a separate draft cache), so the plain draft's rows stay untouched.
+        base_name, base, base_source = out[0]
+        if isinstance(base, CachedDraftModel):
+            base = CachedDraftModel(base.model, base_name, lean=base.lean is not None,
+                                    min_confidence=base.min_confidence, compile=base.compiled, stop=base.stop)
+        out.append(("draft+lookup", HybridDrafter(base, config.hybrid_min_ngram, name="draft+lookup"),
+                    {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "draft": base_source}))
+    if config.baseline_lookup and spec != "lookup":
+        out.append(("lookup", LookupDrafter(), {"kind": "lookup"}))
+    for item in config.also_draft:
+        name, _, path = item.partition("=")
+        model, source = _in_process_draft(path, f"--also-draft {name} {path!r}: not a directory", config,
+                                          target_tokenizer)
+        out.append(_kept_cache(config, model, source, name, lean, compiled))
+        if config.draft_stop == "both":
+            out.append(_kept_cache(config, model, source, f"{name}-prob", lean, compiled, "probability"))
+    return out
+
+
+def _in_process_draft(path: str, not_a_dir: str, config: SpeculateConfig, target_tokenizer) -> tuple[Any, dict]:
+    """A draft model dir loaded for in-process drafting, with its source record (``not_a_dir``: the error
+    when it is none)."""
+    draft_dir = Path(path)
+    if not draft_dir.is_dir():
+        raise ValueError(not_a_dir)
+    _check_tokenizer(draft_dir, target_tokenizer)
+    model, source = load_draft(draft_dir, config.draft_compute)
+    return model, {"kind": "in-process", **source}
+
+
+def _kept_cache(config: SpeculateConfig, model, source: dict, name: str, lean: bool, compile: bool,
+                stop: str | None = None) -> tuple[str, Drafter, dict]:
+    """``stop``: the stop rule (None: the config's; with ``draft_stop`` "both", the calibrated one)."""
+    stop = stop or ("calibrated" if config.draft_stop == "both" else config.draft_stop)
+    conf = config.stop_threshold(stop)
+    return (name, CachedDraftModel(model, name, lean=lean, min_confidence=conf, compile=compile, stop=stop),
+            {**source, "draft_cache": "keep", "lean": lean, "compile": compile, "stop": stop,
+             "min_confidence": conf})
+
+
+def _stop_rule_text(cfg: dict[str, Any]) -> str:
+    """The in-process drafts' stop rule as a clause of the report's first line ('' when they always draft k)."""
+    rule, threshold = cfg.get("draft_stop"), cfg.get("draft_confidence")
+    if rule is None:  # a report from before the calibrated rule: its threshold alone, null meaning always k
+        rule, threshold = "probability", threshold or 0.0
+
+    def clause(rule: str) -> str:
+        t = DEFAULT_DRAFT_CONFIDENCE[rule] if threshold is None else threshold
+        if rule == "calibrated":
+            return f"once the estimated probability that all of it is accepted (calibrated during the run) is < {t}"
+        return f"after a token it gives p < {t}"
+
+    if threshold == 0:
+        return ""
+    if rule == "both":
+        return f"; an in-process draft stops a step's draft {clause('calibrated')} ('-prob': {clause('probability')})"
+    return f"; an in-process draft stops a step's draft {clause(rule)}"
+
+
+def speculate_markdown(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    base = report["baseline"]
+    lines = ["# Speculative decoding (greedy, lossless, batch 1)", "",
+             f"Target `{cfg['target']}`, draft `{cfg['draft']}`, {report['prompts']} prompts, "
+             f"max {cfg['max_new_tokens']} new tokens, target dtype {cfg['dtype']}, "
+             f"draft compute {cfg['draft_compute']}, torch threads {report['threads']}"
+             + _stop_rule_text(cfg)
+             + ("; its decode steps compiled (torch.compile)" if cfg.get("draft_compile", "off") != "off"
+                and cfg.get("draft_lean") != "off" else "") + ".", "",
+             f"Clock: **{report['clock']}** (tokens/s, speedup and best k use it; the other is in the JSON"
+             + ("; CPU time = this process's CPU seconds, at 1 thread immune to other processes' load"
+                if report["clock"] == "cpu" else "") + ").", "",
+             f"Plain greedy (same decode loop with no drafts, same run, alternated per prompt): "
+             f"**{base['tokens_per_s']:.2f} tokens/s** ({base['tokens']} tokens; wall {base['tokens_per_s_wall']:.2f}"
+             f", CPU {base['tokens_per_s_cpu']:.2f} tokens/s); `greedy_decode` (the reference): "
+             f"{report['greedy_decode']['tokens_per_s']:.2f} tokens/s.", "",
+             f"Output identical to plain greedy for every prompt, drafter and k: "
+             f"**{'yes' if report['lossless'] else 'NO (' + str(len(report['mismatches'])) + ' mismatches)'}**.", "",
+             "| drafter | k | tokens/s | speedup | speedup (wall) | speedup (CPU) | accepted drafts/step | "
+             "tokens/step | acceptance | draft time |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, res in report["drafters"].items():
+        for k, row in res["per_k"].items():
+            mark = " **(best)**" if int(k) == res["best_k"] else ""
+            lines.append(f"| {name} | {k}{mark} | {row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | "
+                         f"{row['speedup_wall']:.2f}x | {row['speedup_cpu']:.2f}x | "
+                         f"{row['accepted_per_step']:.2f} | {row['tokens_per_step']:.2f} | "
+                         f"{row['acceptance_rate']:.2f} | {row['draft_time_share']:.0%} |")
+    lines += ["", "accepted drafts/step = draft tokens kept per target verify pass; tokens/step adds the target's "
+              "own token; acceptance = accepted / drafted; draft time = share of wall time spent drafting."]
+    for name, res in report["drafters"].items():
+        shares = {k: row["lookup_step_share"] for k, row in res["per_k"].items() if "lookup_step_share" in row}
+        if shares:
+            lines.append(f"{name}: share of steps drafted by prompt lookup instead of the model: "
+                         + ", ".join(f"k={k} {v:.0%}" for k, v in shares.items()) + ".")
+    for name, error in report.get("compile_errors", {}).items():
+        lines.append(f"{name}: torch.compile failed ({error}); its steps ran eagerly.")
+    if report.get("plot"):
+        lines += ["", f"![tokens/s per k]({report['plot']})"]
+    if report.get("note"):
+        lines += ["", report["note"]]
+    return "\n".join(lines) + "\n"
+
+
+def _compile_errors(drafters: list[tuple[str, Drafter, dict]]) -> dict[str, str]:
+    """{drafter: why torch.compile failed} for compiled drafts that fell back to eager steps."""
+    errors = {}
+    for name, drafter, _ in drafters:
+        steps = getattr(getattr(drafter, "model_drafter", drafter), "lean", None)
+        if isinstance(steps, CompiledSteps) and steps.error:
+            errors[name] = steps.error
+    return errors
+
+
+def run_speculate(config: SpeculateConfig) -> int:
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    with stage_log(out / "speculate.log"):
+        if config.clock == "cpu" and torch.get_num_threads() != 1:
+            log.warning("clock=cpu with %d torch threads: CPU seconds add up over threads, so tokens/s on that "
+                        "clock is not a rate you would see; use --threads 1", torch.get_num_threads())
+        if config.clock == "cpu" and config.draft.startswith(("http://", "https://")):
+            log.warning("clock=cpu with a draft server: the server's CPU time is not counted")
+        tokenizer = load_tokenizer(config.target)
+        target = load_model(config.target, dtype=getattr(torch, config.dtype))
+        prompts = load_prompts(config.prompts, tokenizer, config.num_prompts, config.chat_template)
+        drafters = build_drafters(config, tokenizer)
+        log.info("%d prompts, drafters %s, k %s, %d new tokens", len(prompts), [d[0] for d in drafters],
+                 config.k, config.max_new_tokens)
+        try:
+            result = run_speculation_bench(target, drafters, prompts, config.k, config.max_new_tokens,
+                                           warmup=config.warmup, progress=True, clock=config.clock)
+        finally:
+            for _, drafter, _ in drafters:
+                drafter.close()
+        report: dict[str, Any] = {"config": config.to_json_dict(), "note": config.note, "prompts": len(prompts),
+                                  "threads": torch.get_num_threads(), **result,
+                                  "compile_errors": _compile_errors(drafters)}
+        # the measurements first: a failure while rendering them must not lose a long run (rewritten below with
+        # the rendered files' records)
+        atomic_write_json(out / "speculate.json", report)
+        report["plot"] = plots.plot_throughput_by_k(
+            {name: {int(k): row["tokens_per_s"] for k, row in res["per_k"].items()}
+             for name, res in result["drafters"].items()},
+            result["baseline"]["tokens_per_s"], out / "speculate_tokens_per_s.png",
+            ylabel=f"tokens/s ({config.clock} clock)").name
+        atomic_write_text(out / "speculate.md", speculate_markdown(report))
+        report["provenance"] = {
+            **run_metadata(), "stage": "speculate",
+            "target": describe_source(config.target),
+            "drafters": {name: source for name, _, source in drafters},
+            "prompts_sha256": sha256_file(config.prompts),
+            "files": {n: sha256_file(out / n) for n in ("speculate.md", report["plot"])},
+        }
+        atomic_write_json(out / "speculate.json", report)
+        base = result["baseline"]["tokens_per_s"]
+        for name, res in result["drafters"].items():
+            msg = (f"{name}: best k={res['best_k']} {res['best_tokens_per_s']:.2f} tok/s = "
+                   f"{res['best_speedup']:.2f}x plain greedy ({base:.2f} tok/s, {config.clock} clock)")
+            log.info(msg)
+            print(msg)
+        if result["mismatches"]:
+            log.error("%d speculative runs differ from plain greedy: see %s", len(result["mismatches"]),
+                      out / "speculate.json")
+            print(f"ERROR: {len(result['mismatches'])} speculative outputs differ from plain greedy")
+            return 1
+    return 0

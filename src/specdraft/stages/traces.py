@@ -1,0 +1,454 @@
+"""`specdraft traces` and `specdraft validation`: the target's greedy continuations, written resumably.
+
+traces      prompts.jsonl -> traces.jsonl, one line per prompt:
+            {"id", "source", "prompt_ids", "completion_ids", "finish_reason": "eos" | "length"}
+            + traces.summary.json (target source, prompts sha256, counts, tokens/s, config, versions,
+            sha256 of traces.jsonl) + traces.log.
+validation  held-out prompts (MT-bench ``turns[0]``, or prompts.jsonl) -> evaluation points, one line each:
+            {"id", "category", "offset", "context_ids", "target_ids"}: the context is the templated prompt
+            plus the target's greedy continuation up to ``offset`` (0, 16, 32, ...), the target the next
+            ``num_draft`` greedy tokens. Acceptance is measured on this file. Prompts too short for one
+            point are listed in the summary (``ids_without_points``) and not decoded again on a rerun.
+
+Prompts are wrapped in the target's chat template (``add_generation_prompt=True``,
+``enable_thinking=False``); a target without a template gets the raw prompt (logged). Decoding is greedy
+only, in float32: the traces are the draft's training targets.
+
+Backends: ``hf`` runs ``model.decode.iter_greedy`` (continuous batching over a static KV cache,
+prompts longest first) on CPU or GPU; ``vllm`` hands token ids to ``vllm.LLM.generate`` (imported only
+then) for GPUs, with tensor parallelism inside one process and data parallelism as ``--shard i/n``.
+
+Resumable: lines are appended and flushed as prompts finish. A rerun first cuts a torn last line (a
+killed write), skips the ids already present and appends the rest, so a killed run loses at most the
+rows in flight and never leaves a duplicate. A rerun with a different target, token limit or template
+is refused rather than mixed into the same file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator, Literal, Sequence
+
+import torch
+from pydantic import Field, field_validator
+
+from specdraft.core.config import StageConfig
+from specdraft.core.io import (
+    RecordFileError,
+    atomic_write_json,
+    drop_last_group,
+    jsonl_line,
+    read_json,
+    read_jsonl,
+    repair_jsonl,
+    sha256_file,
+)
+from specdraft.core.provenance import run_metadata, stage_log
+from specdraft.core.records import read_prompts
+from specdraft.core.stage import (
+    POINT_FIELDS,
+    Progress,
+    StageResult,
+    check_resume,
+    checked_rows,
+    peak_rss_mb,
+    previous_runs,
+    resume_key,
+    row_ids,
+    side_paths,
+)
+from specdraft.model.chat import encode_prompts, has_chat_template
+from specdraft.model.decode import Generation, eos_token_ids, iter_greedy
+from specdraft.model.device import resolve_device
+from specdraft.model.specs import (
+    DEFAULT_TARGET,
+    describe_source,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+    tokenizer_fingerprint,
+)
+
+log = logging.getLogger(__name__)
+
+
+Backend = Literal["hf", "vllm"]
+FINISH_REASONS = ("eos", "length")
+
+
+# ----------------------------------------------------------------------------------------------- configs
+
+class _DecodeFields(StageConfig):
+    target: str = Field(DEFAULT_TARGET, description="target model spec (local dir | hub:ORG/NAME@REV | embedded:NAME)")
+    batch_size: int = Field(32, ge=1, description="hf backend: rows decoded together (finished rows are "
+                                                  "replaced by waiting prompts)")
+    backend: Backend = Field("hf", description="hf: specdraft's decode loop (CPU or GPU); vllm: vllm.LLM (GPU)")
+    device: str = Field("auto", description="hf backend: torch device (auto: cuda when available, else cpu)")
+    limit: int | None = Field(None, ge=1, description="take only the first N prompts of the file")
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm backend: GPUs per model (tensor parallel)")
+    vllm_chunk: int = Field(1024, ge=1, description="vllm backend: prompts per LLM.generate() call; output is "
+                                                    "flushed after each call")
+
+
+class TracesConfig(_DecodeFields):
+    """The target's greedy continuations of a prompts file, written resumably to traces.jsonl."""
+
+    prompts: Path = Field(description="prompts.jsonl ({id, source, prompt} per line)")
+    out: Path = Field(description="output traces.jsonl; traces.summary.json and traces.log go beside it")
+    max_new_tokens: int = Field(256, ge=1, description="tokens generated per prompt at most (stop at EOS)")
+    shard: str = Field("0/1", description="i/n: decode only prompts i, i+n, i+2n, ... (after --limit); run one "
+                                          "process per shard (data parallel), each with its own --out")
+
+    @field_validator("shard")
+    @classmethod
+    def _check_shard(cls, v: str) -> str:
+        parse_shard(v)
+        return v
+
+
+class ValidationConfig(_DecodeFields):
+    """Held-out evaluation points: context_ids and the target's next num_draft greedy tokens."""
+
+    prompts: Path = Field(description="held-out prompts: MT-bench jsonl (question_id, category, turns; the first "
+                                      "turn is used) or prompts.jsonl (id, source, prompt)")
+    out: Path = Field(description="output validation.jsonl; validation.summary.json and validation.log go "
+                                  "beside it")
+    max_new_tokens: int = Field(256, ge=1, description="length of the target's greedy continuation (stop at EOS)")
+    num_draft: int = Field(16, ge=1, description="target tokens per evaluation point; points every num_draft "
+                                                 "tokens (offsets 0, n, 2n, ...) while n tokens remain")
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m:
+        raise ValueError(f"shard {text!r}: expected i/n, e.g. 0/4")
+    i, n = int(m.group(1)), int(m.group(2))
+    if n < 1 or not 0 <= i < n:
+        raise ValueError(f"shard {text!r}: need 0 <= i < n")
+    return i, n
+
+
+class HFBackend:
+    """specdraft's own decode loop: continuous batching over a static KV cache, longest prompts first."""
+
+    name = "hf"
+
+    def __init__(self, spec: str, device: str, batch_size: int):
+        self.device = resolve_device(device)
+        self.model = load_model(spec, device=self.device)  # float32: traces define the training targets
+        self.batch_size = batch_size
+
+    def eos_ids(self) -> set[int]:
+        return eos_token_ids(self.model)
+
+    def info(self) -> dict[str, Any]:
+        return {"backend": self.name, "device": self.device, "dtype": str(next(self.model.parameters()).dtype),
+                "batch_size": self.batch_size, "torch_threads": torch.get_num_threads()}
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[tuple[int, Generation]]:
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        yield from iter_greedy(self.model, prompts, max_new_tokens, batch_size=self.batch_size, order=order)
+
+
+class VLLMBackend:
+    """vLLM's offline engine: token ids in, token ids out; greedy (temperature 0), float32."""
+
+    name = "vllm"
+
+    def __init__(self, spec: str, tensor_parallel_size: int, chunk: int, llm: Any = None, vllm_module: Any = None):
+        path = resolve_model(spec)
+        if vllm_module is None:
+            try:
+                import vllm as vllm_module  # noqa: F811  (optional dependency: pip install 'specdraft[vllm]')
+            except ImportError as e:
+                raise RecordFileError("backend 'vllm' needs the vllm package (pip install 'specdraft[vllm]', on a "
+                                  "machine with a GPU); use --backend hf otherwise") from e
+        self.vllm = vllm_module
+        self.llm = llm if llm is not None else vllm_module.LLM(
+            model=str(path), tokenizer=str(path), dtype="float32", tensor_parallel_size=tensor_parallel_size,
+            seed=0)
+        self.chunk = chunk
+        # vLLM stops at the tokenizer's EOS and at every generation-config EOS (stop_token_ids): know both.
+        self._tokenizer_eos = _tokenizer_eos(path)
+        self._eos = _eos_from_model_dir(path) | ({self._tokenizer_eos} if self._tokenizer_eos is not None else set())
+
+    def eos_ids(self) -> set[int]:
+        return set(self._eos)
+
+    def info(self) -> dict[str, Any]:
+        return {"backend": self.name, "dtype": "float32", "chunk": self.chunk,
+                "vllm_version": getattr(self.vllm, "__version__", None)}
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[tuple[int, Generation]]:
+        params = self.vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens,
+                                          stop_token_ids=sorted(self._eos))
+        for start in range(0, len(prompts), self.chunk):
+            idx = list(range(start, min(len(prompts), start + self.chunk)))
+            requests = [{"prompt_token_ids": list(prompts[i])} for i in idx]
+            outputs = self.llm.generate(prompts=requests, sampling_params=params, use_tqdm=False)
+            if len(outputs) != len(requests):
+                raise RuntimeError(f"vllm returned {len(outputs)} outputs for {len(requests)} requests")
+            for i, out in zip(idx, outputs):
+                yield i, vllm_generation(out, self._eos, self._tokenizer_eos)
+
+
+def vllm_generation(request_output: Any, eos: set[int], tokenizer_eos: int | None = None) -> Generation:
+    """A vLLM RequestOutput (``.outputs[0].token_ids``, ``.finish_reason`` stop|length) as a Generation whose
+    tokens end with the EOS when it stopped there, like the hf backend.
+
+    ``eos``: every id vLLM stops at (the tokenizer's EOS and the generation config's). vLLM reports a stop
+    token id in ``stop_reason`` and its own EOS check (``tokenizer_eos``) as ``stop_reason=None``; an EOS is
+    appended only when the output says it stopped on one and the token is not already its last."""
+    completion = request_output.outputs[0]
+    tokens = [int(t) for t in completion.token_ids]
+    reason = completion.finish_reason
+    if reason == "length":
+        return Generation(tokens, "length")
+    if reason != "stop":
+        raise RuntimeError(f"vllm request finished with {reason!r} (expected stop or length)")
+    if tokens and tokens[-1] in eos:
+        return Generation(tokens, "eos")
+    stop = getattr(completion, "stop_reason", None)
+    if isinstance(stop, int) and stop in eos:
+        return Generation(tokens + [stop], "eos")
+    if stop is None and tokenizer_eos is not None:
+        return Generation(tokens + [tokenizer_eos], "eos")
+    raise RuntimeError(f"vllm stopped without an EOS token in its output (last token "
+                       f"{tokens[-1] if tokens else None}, stop_reason={stop!r}, EOS ids {sorted(eos)})")
+
+
+def _eos_from_model_dir(path: Path) -> set[int]:
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        if f.is_file():
+            eos = read_json(f).get("eos_token_id")
+            if eos is not None:
+                return set(eos) if isinstance(eos, list) else {int(eos)}
+    return set()
+
+
+def _tokenizer_eos(path: Path) -> int | None:
+    eos = load_tokenizer(path).eos_token_id
+    return None if eos is None else int(eos)
+
+
+def _backend_info(backend: Any) -> dict[str, Any]:
+    info = getattr(backend, "info", None)
+    return info() if callable(info) else {"backend": getattr(backend, "name", type(backend).__name__)}
+
+
+def make_backend(cfg: _DecodeFields):
+    if cfg.backend == "vllm":
+        return VLLMBackend(cfg.target, cfg.tensor_parallel_size, cfg.vllm_chunk)
+    return HFBackend(cfg.target, cfg.device, cfg.batch_size)
+
+
+def run_traces(cfg: TracesConfig, backend: Any = None) -> StageResult:
+    """``backend`` (optional) replaces the one built from the config (tests pass a fake vLLM engine)."""
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary_path, log_path = side_paths(out)
+    with stage_log(log_path):
+        return _run_traces(cfg, out, summary_path, log_path, backend)
+
+
+def _run_traces(cfg: TracesConfig, out: Path, summary_path: Path, log_path: Path, backend: Any) -> StageResult:
+    started = time.time()
+    records = read_prompts(cfg.prompts)
+    total_in_file = len(records)
+    if cfg.limit is not None:
+        records = records[:cfg.limit]
+    shard_i, shard_n = parse_shard(cfg.shard)
+    records = records[shard_i::shard_n]
+
+    repair_jsonl(out)
+    out.touch()
+    done = row_ids(out)
+    target = describe_source(cfg.target)
+    tokenizer = load_tokenizer(cfg.target)
+    template = has_chat_template(tokenizer)
+    if not template:
+        log.warning("target %s has no chat template: prompts are tokenized raw", cfg.target)
+    key = resume_key(target, cfg, template, {"tokenizer": tokenizer_fingerprint(tokenizer)})
+    check_resume(summary_path, out, key, len(done))
+    todo = [r for r in records if r.id not in done]
+    log.info("traces: %d prompts in %s, %d selected (limit %s, shard %s), %d already in %s, %d to decode",
+             total_in_file, cfg.prompts, len(records), cfg.limit, cfg.shard, len(done & {r.id for r in records}),
+             out, len(todo))
+    prompts_sha = sha256_file(cfg.prompts)
+    if done and summary_path.is_file():
+        old_sha = (read_json(summary_path).get("prompts") or {}).get("sha256")
+        if old_sha and old_sha != prompts_sha:
+            log.warning("%s changed since the rows in %s were made (sha256 %s -> %s); ids already there are kept",
+                        cfg.prompts, out, old_sha[:12], prompts_sha[:12])
+    base = {"stage": "traces", "target": target, "prompts": {"path": str(cfg.prompts), "sha256": prompts_sha,
+                                                              "records": total_in_file, "selected": len(records)},
+            "chat_template": template, "config": cfg.to_json_dict(), "resume_key": key}
+    earlier_runs = previous_runs(summary_path, len(done))
+    atomic_write_json(summary_path, {**base, "status": "running", "runs": earlier_runs, "run": run_metadata()})
+
+    this_run: dict[str, Any] = {"prompts": 0}
+    if todo:
+        ids = encode_prompts(tokenizer, [r.text for r in todo])
+        for rec, p in zip(todo, ids):
+            if not p:
+                raise RecordFileError(f"{cfg.prompts}: prompt {rec.id!r} has no tokens")
+        backend = backend or make_backend(cfg)
+        log.info("backend %s; decoding %d prompts (%d prompt tokens), max_new_tokens=%d, batch_size=%d",
+                 backend.name, len(todo), sum(map(len, ids)), cfg.max_new_tokens, cfg.batch_size)
+        progress = Progress(len(todo), "traces")
+        with open(out, "a", encoding="utf-8") as f:
+            for i, gen in backend.generate(ids, cfg.max_new_tokens):
+                rec = todo[i]
+                f.write(jsonl_line({"id": rec.id, "source": rec.source, "prompt_ids": ids[i],
+                                     "completion_ids": gen.tokens, "finish_reason": gen.finish_reason}) + "\n")
+                f.flush()
+                progress.update(len(ids[i]), len(gen.tokens))
+            os.fsync(f.fileno())
+        this_run = {**progress.close(), **_backend_info(backend)}
+        if this_run["prompts"] != len(todo):
+            raise RuntimeError(f"backend returned {this_run['prompts']} of {len(todo)} prompts")
+        log.info("decoded %d prompts, %d completion tokens in %.1f s (%.1f tok/s)", this_run["prompts"],
+                 this_run["completion_tokens"], this_run["wall_s"], this_run["completion_tokens_per_s"] or 0)
+    else:
+        log.info("nothing to decode: every selected prompt is already in %s", out)
+
+    totals = _trace_totals(out, {r.id for r in records})
+    this_run = {**this_run, "peak_rss_mb": peak_rss_mb()}
+    summary = {**base, "status": "complete", **totals, "this_run": this_run,
+               "runs": earlier_runs + [this_run],
+               "backend": cfg.backend, "wall_s": round(time.time() - started, 3), "run": run_metadata(),
+               "log": str(log_path), "traces_sha256": sha256_file(out)}
+    atomic_write_json(summary_path, summary)
+    log.info("wrote %s (%d rows: %d eos, %d length) and %s", out, totals["rows"], totals["finish_reasons"]["eos"],
+             totals["finish_reasons"]["length"], summary_path)
+    return StageResult(out=out, summary=summary_path, rows=totals["rows"], new_prompts=this_run["prompts"],
+                       summary_data=summary)
+
+
+def _trace_totals(path: Path, selected: set[str]) -> dict[str, Any]:
+    rows = prompt_tokens = completion_tokens = 0
+    reasons: Counter = Counter({r: 0 for r in FINISH_REASONS})
+    sources: Counter = Counter()
+    found: set[str] = set()
+    for _, obj in read_jsonl(path):
+        rows += 1
+        prompt_tokens += len(obj["prompt_ids"])
+        completion_tokens += len(obj["completion_ids"])
+        reasons[obj["finish_reason"]] += 1
+        sources[obj.get("source")] += 1
+        found.add(obj["id"])
+    missing = len(selected - found)
+    return {"rows": rows, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "finish_reasons": dict(reasons), "sources": dict(sources), "selected_missing": missing}
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+def _ids_without_points(summary_path: Path, key: dict[str, Any]) -> set[str]:
+    """Ids an earlier run with the same settings decoded and found too short for a point."""
+    if not summary_path.is_file():
+        return set()
+    previous = read_json(summary_path)
+    if previous.get("resume_key") != key:
+        return set()
+    return set(previous.get("ids_without_points") or [])
+
+
+def evaluation_points(completion: Sequence[int], num_draft: int) -> list[int]:
+    """Offsets 0, n, 2n, ... at which ``num_draft`` tokens of the continuation remain."""
+    return list(range(0, len(completion) - num_draft + 1, num_draft))
+
+
+def run_validation(cfg: ValidationConfig, backend: Any = None) -> StageResult:
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary_path, log_path = side_paths(out)
+    with stage_log(log_path):
+        return _run_validation(cfg, out, summary_path, log_path, backend)
+
+
+def _run_validation(cfg: ValidationConfig, out: Path, summary_path: Path, log_path: Path,
+                    backend: Any) -> StageResult:
+    started = time.time()
+    records = read_prompts(cfg.prompts)
+    total_in_file = len(records)
+    if cfg.limit is not None:
+        records = records[:cfg.limit]
+    repair_jsonl(out)
+    # The last prompt's points may have been cut short by a kill: redo that prompt, unless the summary
+    # vouches for the file as a finished run left it.
+    finished = (summary_path.is_file() and out.is_file()
+                and read_json(summary_path).get("validation_sha256") == sha256_file(out))
+    dropped = None if finished else drop_last_group(out)
+    if dropped is not None:
+        log.info("%s: redoing the points of the last prompt written (%r), in case a kill cut them short",
+                 out, dropped)
+    out.touch()
+    done = {obj["id"] for _, obj in checked_rows(out, POINT_FIELDS)}
+    target = describe_source(cfg.target)
+    tokenizer = load_tokenizer(cfg.target)
+    template = has_chat_template(tokenizer)
+    if not template:
+        log.warning("target %s has no chat template: prompts are tokenized raw", cfg.target)
+    key = resume_key(target, cfg, template, {"num_draft": cfg.num_draft,
+                                              "tokenizer": tokenizer_fingerprint(tokenizer)})
+    check_resume(summary_path, out, key, len(done))
+    # Prompts whose continuation is too short for one point write no line: remember them, or every rerun
+    # would decode them again.
+    no_points = _ids_without_points(summary_path, key)
+    todo = [r for r in records if r.id not in done and r.id not in no_points]
+    base = {"stage": "validation", "target": target,
+            "eval": {"path": str(cfg.prompts), "sha256": sha256_file(cfg.prompts), "records": total_in_file,
+                     "selected": len(records)},
+            "chat_template": template, "num_draft": cfg.num_draft, "config": cfg.to_json_dict(), "resume_key": key}
+    running = {**base, "status": "running", "run": run_metadata()}
+    atomic_write_json(summary_path, {**running, "ids_without_points": sorted(no_points)})
+    log.info("validation: %d prompts selected, %d already in %s, %d known to give no point, %d to decode",
+             len(records), len(done & {r.id for r in records}), out, len(no_points & {r.id for r in records}),
+             len(todo))
+
+    this_run: dict[str, Any] = {"prompts": 0}
+    if todo:
+        ids = encode_prompts(tokenizer, [r.text for r in todo])
+        backend = backend or make_backend(cfg)
+        progress = Progress(len(todo), "validation")
+        with open(out, "a", encoding="utf-8") as f:
+            for i, gen in backend.generate(ids, cfg.max_new_tokens):
+                rec, cont = todo[i], gen.tokens
+                lines = [jsonl_line({"id": rec.id, "category": rec.category, "offset": o,
+                                      "context_ids": ids[i] + cont[:o], "target_ids": cont[o:o + cfg.num_draft]})
+                         for o in evaluation_points(cont, cfg.num_draft)]
+                if lines:
+                    f.write("\n".join(lines) + "\n")  # one prompt's points in one write
+                    f.flush()
+                else:
+                    no_points.add(rec.id)  # recorded at once, so that a killed run keeps it too
+                    atomic_write_json(summary_path, {**running, "ids_without_points": sorted(no_points)})
+                progress.update(len(ids[i]), len(cont))
+            os.fsync(f.fileno())
+        this_run = {**progress.close(), **_backend_info(backend)}
+
+    points = 0
+    prompts_with_points: set[str] = set()
+    categories: Counter = Counter()
+    for _, obj in read_jsonl(out):
+        points += 1
+        prompts_with_points.add(obj["id"])
+        categories[obj["category"]] += 1
+    summary = {**base, "status": "complete", "points": points, "prompts": len(prompts_with_points),
+               "prompts_without_points": len({r.id for r in records} - prompts_with_points),
+               "ids_without_points": sorted(no_points),
+               "points_per_category": dict(sorted(categories.items())),
+               "this_run": {**this_run, "peak_rss_mb": peak_rss_mb()}, "backend": cfg.backend,
+               "wall_s": round(time.time() - started, 3), "run": run_metadata(), "log": str(log_path),
+               "validation_sha256": sha256_file(out)}
+    atomic_write_json(summary_path, summary)
+    log.info("wrote %s: %d points from %d prompts", out, points, len(prompts_with_points))
+    return StageResult(out=out, summary=summary_path, rows=points, new_prompts=this_run["prompts"],
+                       summary_data=summary)

@@ -1,0 +1,576 @@
+"""Distil a draft model from the target's greedy traces.
+
+The draft starts from a smaller pretrained model that shares the target's tokenizer, or from the
+target's own first layers (``truncate:TARGET_SPEC:N``). It is trained with cross-entropy on the target's
+greedy completion tokens (prompt positions masked) and, with ``kd``, a KL term to the target's logits
+computed online (DistillSpec). ``labels`` adds teacher-forced rows (`specdraft label`): reference answers as
+context, the target's argmax at each position as the label; cheaper per token than traces. ``qat_group_size``
+trains through the packer's 4-bit rounding.
+
+``run_train`` reads top to bottom: ``setup`` -> ``load_data`` -> ``train_loop``, which feeds ``micro_batches``
+(from ``make_batches``) to ``train_step`` and every ``eval_every`` steps calls ``evaluate`` (held-out loss +
+simulated acceptance), ``save_checkpoint`` (the best draft, in ``out/``) and ``save_resume_state`` (``out/last``,
+from which a killed run continues to the same weights as an uninterrupted one).
+
+Simulated acceptance is exact for greedy drafting: because held-out completions are the target's own
+greedy tokens, a 16-token greedy draft starting at offset o accepts exactly the leading run of
+positions where the draft's teacher-forced argmax equals the target token, so one forward pass per
+sequence scores every offset. The score goes through ``AcceptanceStats``, as in ``specdraft eval``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal, Optional, Sequence
+
+import matplotlib
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from pydantic import Field
+from tqdm.auto import tqdm
+
+from specdraft.core.config import StageConfig
+from specdraft.core.io import atomic_write_json, read_json, sha256_file
+from specdraft.core.provenance import run_metadata, stage_log
+from specdraft.core.records import Example, read_traces
+from specdraft.core.stage import side_paths
+from specdraft.drafting.metrics import AcceptanceStats
+from specdraft.model.specs import (
+    DEFAULT_TARGET,
+    describe_source,
+    load_model,
+    load_tokenizer,
+    tokenizer_fingerprint,
+    weight_file_problems,
+    weights_sha256,
+)
+from specdraft.model.truncate import build_init
+from specdraft.quant.qat import enable_qat
+
+log = logging.getLogger(__name__)
+
+
+class TrainConfig(StageConfig):
+    traces: str = Field(description="traces.jsonl written by `specdraft traces`")
+    labels: Optional[str] = Field(None, description="labels.jsonl from `specdraft label` (the target's argmax on "
+                                                    "reference answers), trained on together with the traces")
+    init: str = Field(description="draft init: a model spec, or truncate:TARGET_SPEC:N "
+                                  "(N layers, or a comma list of layer indices to keep)")
+    out: str = Field(description="output checkpoint directory (the best checkpoint; last/ for resume)")
+    target: Optional[str] = Field(None, description="target model spec (default: the one recorded in the "
+                                                     "traces' summary, X.summary.json beside X.jsonl, else the "
+                                                     "embedded default)")
+    epochs: float = Field(3.0, gt=0, description="passes over the training traces")
+    max_steps: Optional[int] = Field(None, description="stop after this many optimizer steps")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW)")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    warmup_steps: int = Field(10, ge=0, description="linear warm-up steps")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    batch_tokens: int = Field(1024, gt=0, description="tokens per micro-batch (length-bucketed; padded "
+                                                    "width x rows)")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    clip_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
+    max_seq_len: int = Field(1024, gt=8, description="longer traces are cut from the left of the prompt")
+    kd: bool = Field(False, description="add KL to the target's logits (target loaded alongside)")
+    kd_weight: float = Field(0.5, ge=0, le=1, description="loss = (1-w)*CE + w*KL when kd is on")
+    kd_temperature: float = Field(1.0, gt=0, description="softmax temperature for the KL term")
+    train_embeddings: bool = Field(False, description="also train the (tied) embedding / lm_head")
+    qat_group_size: Optional[int] = Field(
+        None, ge=2, description="quantisation-aware training: the model computes with the weights `specdraft "
+                                "pack --group-size G` will store (every linear layer and the embedding, 4-bit; "
+                                "straight-through gradient for the trained ones), so fine-tuning deltas smaller "
+                                "than a 4-bit step are not rounded away at pack time")
+    freeze_layers: int = Field(0, ge=0, description="keep the first M decoder layers frozen (cheaper "
+                                                    "backward, less overfitting on few traces)")
+    heldout_fraction: float = Field(0.05, ge=0, lt=1, description="fraction of traces held out (by id hash)")
+    heldout_traces: Optional[str] = Field(None, description="a separate greedy traces file to score instead "
+                                                            "of the held-out fraction (e.g. eval prompts)")
+    heldout_max: int = Field(64, ge=1, description="at most this many held-out traces are scored")
+    eval_every: int = Field(25, ge=1, description="evaluate every K optimizer steps")
+    num_draft: int = Field(16, ge=1, description="draft length for simulated acceptance")
+    seed: int = Field(0, description="seed for data order and init")
+    mixed_precision: Literal["auto", "no", "bf16"] = Field(
+        "auto", description="auto = bf16 on GPU, fp32 on CPU")
+    threads: Optional[int] = Field(None, description="torch CPU threads (default: torch's choice)")
+
+
+@dataclass
+class TrainData:
+    """The rows one run trains on and scores."""
+
+    traces: list[Example]  # every usable row of the traces file
+    train: list[Example]  # the traces not held out, then the teacher-forced rows
+    heldout: list[Example]  # greedy traces that evaluate scores (at most heldout_max)
+    labelled: list[Example]  # the teacher-forced rows (--labels); never held out
+
+
+@dataclass
+class Run:
+    """What the steps of one run share."""
+
+    cfg: TrainConfig
+    out: Path
+    accelerator: Accelerator
+    model: Any  # the draft, as accelerate prepared it
+    optimizer: Any
+    params: list[torch.nn.Parameter]  # the trained ones (frozen layers excluded): what the gradient clip sees
+    tokenizer: Any
+    pad_id: int
+    teacher: Any  # the target, loaded for kd only (else None)
+    total_steps: int
+
+
+@dataclass
+class TrainState:
+    """Where a run stands; last/trainer_state.json keeps it (with the config) beside accelerate's state."""
+
+    step: int = 0  # optimizer steps taken
+    history: list[dict] = field(default_factory=list)  # one evaluate() record per evaluation
+    best: dict | None = None  # the record of the checkpoint in out/
+
+
+# ------------------------------------------------------------------------------------------- setup
+
+def setup(cfg: TrainConfig) -> Accelerator:
+    """Threads, precision (auto: bf16 on GPU, fp32 on CPU), gradient accumulation, and the seed."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    mixed = cfg.mixed_precision
+    if mixed == "auto":
+        mixed = "bf16" if torch.cuda.is_available() else "no"
+    accelerator = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=cfg.grad_accum)
+    set_seed(cfg.seed)
+    return accelerator
+
+
+def summary_path(records: str | Path) -> Path:
+    """The summary the writing stage keeps beside its output: X.summary.json for X.jsonl (``side_paths``)."""
+    return side_paths(Path(records))[0]
+
+
+def recorded_target(records: str | Path) -> str | None:
+    """The target spec recorded in the summary beside a traces or labels file, if it records one."""
+    path = summary_path(records)
+    target = read_json(path).get("target") if path.is_file() else None
+    if isinstance(target, dict):
+        return target.get("spec")
+    return target if isinstance(target, str) else None
+
+
+def check_tokenizer(draft_tokenizer, target_spec: str) -> None:
+    target_tokenizer = load_tokenizer(target_spec)
+    draft_fp, target_fp = tokenizer_fingerprint(draft_tokenizer), tokenizer_fingerprint(target_tokenizer)
+    if draft_fp != target_fp:
+        raise ValueError(f"the draft's tokenizer differs from the target's ({target_spec}) that wrote the "
+                         f"traces: draft vocab sha256 {draft_fp} != target vocab sha256 {target_fp}")
+
+
+def load_data(cfg: TrainConfig, target_spec: str, vocab_size: int) -> TrainData:
+    """The traces split by id hash (or scored against --heldout-traces), plus the teacher-forced labels."""
+    traces = _read_examples(cfg.traces, cfg.max_seq_len, vocab_size)
+    train, heldout = split_heldout(traces, cfg.heldout_fraction)
+    if cfg.heldout_traces:
+        heldout = _read_examples(cfg.heldout_traces, cfg.max_seq_len, vocab_size)
+    if any(ex.targets is not None for ex in heldout):
+        raise ValueError("held-out examples must be greedy traces (simulated acceptance compares drafts with "
+                         "the completion): pass teacher-forced labels as --labels, not as traces")
+    labelled: list[Example] = []
+    if cfg.labels:
+        labelled = _read_examples(cfg.labels, cfg.max_seq_len, vocab_size)
+        labels_target = recorded_target(cfg.labels)
+        if labels_target and labels_target != target_spec:
+            raise ValueError(f"{cfg.labels} was labelled by {labels_target}, not by the target {target_spec}")
+    train = train + labelled  # never held out: held-out points are greedy traces
+    if not train:
+        raise ValueError(f"{cfg.traces}: no traces left for training after the held-out split")
+    return TrainData(traces=traces, train=train, heldout=heldout[: cfg.heldout_max], labelled=labelled)
+
+
+def _read_examples(path: str, max_seq_len: int, vocab_size: int) -> list[Example]:
+    examples = read_traces(path, max_seq_len)
+    max_id = max(max(max(ex.input_ids), max(ex.targets or [0])) for ex in examples)
+    if max_id >= vocab_size:
+        raise ValueError(f"{path} uses token id {max_id} but the draft's vocab has {vocab_size}")
+    return examples
+
+
+def split_heldout(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:
+    """Deterministic split by id hash, so the split does not move when traces are appended."""
+    def bucket(ex: Example) -> float:
+        return int(hashlib.sha256(ex.id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    heldout = [ex for ex in examples if bucket(ex) < fraction]
+    train = [ex for ex in examples if bucket(ex) >= fraction]
+    return train, heldout
+
+
+def trainable_parameters(model, cfg: TrainConfig) -> list[torch.nn.Parameter]:
+    """Freeze the (tied) embedding unless train_embeddings and the first freeze_layers decoder layers, switch
+    QAT on; the parameters left to train."""
+    if not cfg.train_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
+        model.get_output_embeddings().weight.requires_grad_(False)
+    if cfg.freeze_layers:
+        if cfg.freeze_layers >= model.config.num_hidden_layers:
+            raise ValueError(f"freeze_layers={cfg.freeze_layers} leaves nothing to train in a "
+                             f"{model.config.num_hidden_layers}-layer draft")
+        for layer in model.model.layers[: cfg.freeze_layers]:
+            layer.requires_grad_(False)
+    if cfg.qat_group_size:
+        patched = enable_qat(model, cfg.qat_group_size)
+        log.info("QAT: %d linear/embedding modules compute on their 4-bit G=%d weights", patched,
+                 cfg.qat_group_size)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def load_teacher(target_spec: str, device):
+    teacher = load_model(target_spec).to(device)
+    teacher.requires_grad_(False)
+    return teacher
+
+
+def count_steps(cfg: TrainConfig, train: list[Example], world: int) -> int:
+    """Optimizer steps for cfg.epochs passes (at epoch 0's batch count), at most max_steps."""
+    steps_per_epoch = len(make_batches(train, cfg.batch_tokens, cfg.seed, 0)) // (cfg.grad_accum * world)
+    total_steps = max(1, int(steps_per_epoch * cfg.epochs))
+    return min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
+
+
+# ------------------------------------------------------------------------------------------- batches
+
+def make_batches(examples: list[Example], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """Length-bucketed batches (indices) for one epoch: shuffle, sort within pools, pack to a token budget."""
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    pool = 256
+    batches: list[list[int]] = []
+    for start in range(0, len(order), pool):
+        chunk = sorted(order[start:start + pool], key=lambda i: len(examples[i].input_ids))
+        batch: list[int] = []
+        width = 0
+        for i in chunk:
+            n = len(examples[i].input_ids)
+            if batch and max(width, n) * (len(batch) + 1) > batch_tokens:
+                batches.append(batch)
+                batch, width = [], 0
+            batch.append(i)
+            width = max(width, n)
+        if batch:
+            batches.append(batch)
+    rng.shuffle(batches)
+    return batches
+
+
+def micro_batches(train: list[Example], cfg: TrainConfig, world: int, rank: int) -> Iterator[list[int]]:
+    """This rank's micro-batches, epoch after epoch without end; each epoch is cut to whole optimizer steps
+    across the ranks."""
+    for epoch in itertools.count():
+        batches = make_batches(train, cfg.batch_tokens, cfg.seed, epoch)
+        usable = len(batches) - len(batches) % (cfg.grad_accum * world)
+        for i in range(rank, usable, world):
+            yield batches[i]
+
+
+def collate(examples: Sequence[Example], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Right-padded ids, mask and labels (-100 on prompt and padding)."""
+    width = max(len(ex.input_ids) for ex in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)  # [B, T]
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for row, ex in enumerate(examples):
+        n = len(ex.input_ids)
+        ids[row, :n] = torch.tensor(ex.input_ids)
+        mask[row, :n] = 1
+        labels[row, ex.prompt_len:n] = (ids[row, ex.prompt_len:n] if ex.targets is None
+                                        else torch.tensor(ex.targets, dtype=torch.long))
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+
+
+# ------------------------------------------------------------------------------------------- step
+
+def distill_loss(logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor | None,
+                 kd_weight: float, temperature: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """CE on the target's next tokens; optionally mixed with KL(teacher || student) at a temperature."""
+    shift_logits = logits[:, :-1, :]  # [B, T-1, V]
+    shift_labels = labels[:, 1:]  # [B, T-1]
+    keep = shift_labels != -100
+    student = shift_logits[keep]  # [N, V]
+    ce = F.cross_entropy(student.float(), shift_labels[keep])
+    parts = {"ce": float(ce.detach())}
+    if teacher_logits is None:
+        return ce, parts
+    teacher = teacher_logits[:, :-1, :][keep].float()  # [N, V]
+    t = temperature
+    kl = F.kl_div(F.log_softmax(student.float() / t, -1), F.log_softmax(teacher / t, -1),
+                  log_target=True, reduction="batchmean") * (t * t)
+    parts["kl"] = float(kl.detach())
+    return (1 - kd_weight) * ce + kd_weight * kl, parts
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to lr, then a cosine down to min_lr_ratio * lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def train_step(run: Run, batch: dict[str, torch.Tensor], step: int) -> float:
+    """Forward and backward one micro-batch; on the last micro-batch of optimizer step ``step``, clip, set the
+    step's learning rate and update. The micro-batch's loss."""
+    cfg, accelerator = run.cfg, run.accelerator
+    with accelerator.accumulate(run.model):
+        logits = run.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
+        teacher_logits = None
+        if run.teacher is not None:
+            with torch.no_grad():
+                teacher_logits = run.teacher(input_ids=batch["input_ids"],
+                                             attention_mask=batch["attention_mask"]).logits  # [B, T, V]
+        loss, _ = distill_loss(logits, batch["labels"], teacher_logits, cfg.kd_weight, cfg.kd_temperature)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            accelerator.clip_grad_norm_(run.params, cfg.clip_norm)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr_at(step, run.total_steps, cfg)
+        run.optimizer.step()  # accelerate skips it (and zero_grad) until the last micro-batch of the step
+        run.optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+# ------------------------------------------------------------------------------------------- eval
+
+@torch.no_grad()
+def simulated_acceptance(model, examples: Sequence[Example], k: int = 16, pad_id: int = 0,
+                         batch_size: int = 8) -> AcceptanceStats:
+    """Mean accepted length of k-token greedy drafts at offsets 0, k, 2k, ... of each completion."""
+    stats = AcceptanceStats(k=k)
+    device = next(model.parameters()).device
+    model_was_training = model.training
+    model.eval()
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        batch = collate(chunk, pad_id, device)
+        preds = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)  # [B, T]
+        for row, ex in enumerate(chunk):
+            completion = ex.completion
+            # prediction for completion[j] comes from position prompt_len + j - 1
+            row_preds = preds[row, ex.prompt_len - 1: len(ex.input_ids) - 1].tolist()
+            for offset in range(0, len(completion) - k + 1, k):
+                stats.add(row_preds[offset:offset + k], completion[offset:offset + k], prompt_id=ex.id)
+    model.train(model_was_training)
+    return stats
+
+
+@torch.no_grad()
+def heldout_loss(model, examples: Sequence[Example], pad_id: int, batch_size: int = 8) -> float:
+    """Mean cross-entropy per label token."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    for start in range(0, len(examples), batch_size):
+        batch = collate(examples[start:start + batch_size], pad_id, device)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
+        labels = batch["labels"][:, 1:]  # [B, T-1]
+        keep = labels != -100
+        total += float(F.cross_entropy(logits[:, :-1][keep].float(), labels[keep], reduction="sum"))
+        count += int(keep.sum())
+    model.train(was_training)
+    return total / max(1, count)
+
+
+def evaluate(run: Run, heldout: Sequence[Example], step: int, train_loss: float | None) -> dict:
+    """The history record of one evaluation: held-out loss and simulated acceptance."""
+    unwrapped = run.accelerator.unwrap_model(run.model)
+    stats = simulated_acceptance(unwrapped, heldout, run.cfg.num_draft, run.pad_id)
+    record = {"step": step, "train_loss": train_loss,
+              "heldout_loss": heldout_loss(unwrapped, heldout, run.pad_id),
+              "sim_accept": stats.mean_accepted_pooled, "sim_accept_per_prompt": stats.mean_accepted_per_prompt,
+              "sim_points": stats.points}
+    log.info("eval step %d: heldout_loss %.4f sim_accept %.3f (points %d)", step, record["heldout_loss"],
+             record["sim_accept"], stats.points)
+    return record
+
+
+# ------------------------------------------------------------------------------------------- save
+
+def save_checkpoint(run: Run, record: dict, best: dict | None) -> dict | None:
+    """Write the draft and its tokenizer to out/ when ``record`` beats ``best`` on simulated acceptance; the
+    best record so far."""
+    if best is not None and record["sim_accept"] <= best["sim_accept"]:
+        return best
+    if run.accelerator.is_main_process:
+        run.accelerator.unwrap_model(run.model).save_pretrained(run.out, safe_serialization=True)
+        run.tokenizer.save_pretrained(run.out)
+    return dict(record)
+
+
+def save_resume_state(run: Run, state: TrainState) -> None:
+    """last/ holds everything needed to continue exactly: weights, optimizer, RNG, step, history."""
+    accelerator, tmp = run.accelerator, run.out / "last.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        atomic_write_json(tmp / "trainer_state.json", {"step": state.step, "history": state.history,
+                                                       "best": state.best, "config": run.cfg.to_json_dict()})
+        shutil.rmtree(run.out / "last", ignore_errors=True)
+        os.replace(tmp, run.out / "last")
+
+
+def load_resume_state(run: Run) -> TrainState:
+    """The state saved in last/ (weights, optimizer and RNG restored into the run), or a fresh one."""
+    last = run.out / "last"
+    state_file = last / "trainer_state.json"
+    if not state_file.is_file():
+        return TrainState()
+    saved = read_json(state_file)
+    if not all(k in saved for k in ("config", "step", "history", "best")):
+        raise ValueError(f"{state_file}: not a trainer state (needs config, step, history, best); use a new "
+                         "--out or delete it")
+    if saved["config"] != run.cfg.to_json_dict():
+        raise ValueError(f"{last} was made with a different config; use a new --out or delete it")
+    corrupt = weight_file_problems(last)
+    if corrupt:
+        raise ValueError(f"cannot resume: corrupt weight file: {'; '.join(corrupt)}; use a new --out or delete "
+                         f"{last}")
+    run.accelerator.load_state(str(last))
+    log.info("resuming from %s at step %d", last, saved["step"])
+    return TrainState(step=saved["step"], history=saved["history"], best=saved["best"])
+
+
+def plot_history(history: list[dict], path: Path, k: int) -> None:
+    matplotlib.use("Agg")
+    steps = [h["step"] for h in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot([h["step"] for h in history if h["train_loss"] is not None],
+             [h["train_loss"] for h in history if h["train_loss"] is not None], label="train")
+    ax1.plot(steps, [h["heldout_loss"] for h in history], label="held-out")
+    ax1.set_xlabel("step"), ax1.set_ylabel("loss"), ax1.legend(), ax1.set_title("loss")
+    ax2.plot(steps, [h["sim_accept"] for h in history], marker="o")
+    ax2.set_xlabel("step"), ax2.set_ylabel(f"mean accepted (of {k})"), ax2.set_title("simulated acceptance")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train_meta(run: Run, data: TrainData, state: TrainState, *, init_source: dict, target_spec: str,
+               tokens_seen: int, seconds: float) -> dict:
+    """train_meta.json: the inputs (init, target, traces, labels, config with their hashes), the results, and
+    the run's provenance."""
+    cfg = run.cfg
+    return {
+        "stage": "train",
+        "init": init_source,
+        "target": describe_source(target_spec),
+        "traces": {"path": str(Path(cfg.traces).resolve()), "sha256": sha256_file(cfg.traces),
+                   "count": len(data.traces), "train": len(data.train) - len(data.labelled),
+                   "heldout": len(data.heldout),
+                   "heldout_traces": str(Path(cfg.heldout_traces).resolve()) if cfg.heldout_traces else None,
+                   "summary_sha256": _sha256_if_file(summary_path(cfg.traces))},
+        "labels": ({"path": str(Path(cfg.labels).resolve()), "sha256": sha256_file(cfg.labels),
+                    "count": len(data.labelled), "tokens": sum(len(ex.targets or ()) for ex in data.labelled),
+                    "summary_sha256": _sha256_if_file(summary_path(cfg.labels))}
+                   if cfg.labels else None),
+        "config": cfg.to_json_dict(),
+        "steps": state.step,
+        "total_steps": run.total_steps,
+        "train_tokens_this_run": tokens_seen,
+        "seconds_this_run": round(seconds, 1),
+        "parameters": sum(p.numel() for p in run.accelerator.unwrap_model(run.model).parameters()),
+        "best": state.best,
+        "final": state.history[-1] if state.history else None,
+        "history": state.history,
+        **run_metadata(),
+    }
+
+
+def _sha256_if_file(path: Path) -> str | None:
+    return sha256_file(path) if path.is_file() else None
+
+
+# ------------------------------------------------------------------------------------------- loop
+
+def train_loop(run: Run, data: TrainData, state: TrainState) -> int:
+    """Optimizer steps from ``state.step`` to the last, evaluating and saving every eval_every steps and at the
+    end; the number of label tokens trained on."""
+    cfg, accelerator = run.cfg, run.accelerator
+    run.model.train()
+    started, tokens_seen, running = time.time(), 0, []
+    bar = tqdm(total=run.total_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
+    batches = micro_batches(data.train, cfg, accelerator.num_processes, accelerator.process_index)
+    # a resumed run skips the micro-batches of the steps already taken, so it sees the batches it would have seen
+    for batch_idx in itertools.islice(batches, state.step * cfg.grad_accum, None):
+        if state.step >= run.total_steps:
+            break
+        batch = collate([data.train[i] for i in batch_idx], run.pad_id, accelerator.device)
+        running.append(train_step(run, batch, state.step))
+        tokens_seen += int((batch["labels"] != -100).sum())
+        if not accelerator.sync_gradients:
+            continue
+        state.step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{sum(running) / len(running):.3f}",
+                        tok_s=f"{tokens_seen / max(1e-9, time.time() - started):.0f}")
+        if state.step % cfg.eval_every == 0 or state.step == run.total_steps:
+            state.history.append(evaluate(run, data.heldout, state.step, sum(running) / len(running)))
+            running = []
+            state.best = save_checkpoint(run, state.history[-1], state.best)
+            save_resume_state(run, state)
+            plot_history(state.history, run.out / "train_curves.png", cfg.num_draft)
+    bar.close()
+    return tokens_seen
+
+
+def run_train(cfg: TrainConfig) -> dict:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    accelerator = setup(cfg)
+    with stage_log(out / "train.log"), torch.enable_grad():
+        target_spec = cfg.target or recorded_target(cfg.traces) or DEFAULT_TARGET
+        model, tokenizer, init_source = build_init(cfg.init)
+        check_tokenizer(tokenizer, target_spec)
+        data = load_data(cfg, target_spec, model.config.vocab_size)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        params = trainable_parameters(model, cfg)
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        model, optimizer = accelerator.prepare(model, optimizer)
+        teacher = load_teacher(target_spec, accelerator.device) if cfg.kd else None
+        total_steps = count_steps(cfg, data.train, accelerator.num_processes)
+        run = Run(cfg=cfg, out=out, accelerator=accelerator, model=model, optimizer=optimizer, params=params,
+                  tokenizer=tokenizer, pad_id=pad_id, teacher=teacher, total_steps=total_steps)
+
+        state = load_resume_state(run)
+        log.info("train: %d examples (%d teacher-forced), %d held out, %d steps, init %s, target %s, kd=%s, "
+                 "resume from step %d", len(data.train), len(data.labelled), len(data.heldout), total_steps,
+                 cfg.init, target_spec, cfg.kd, state.step)
+        if state.step == 0 and not state.history:  # score the init, the first best: training must beat it
+            state.history.append(evaluate(run, data.heldout, step=0, train_loss=None))
+            state.best = save_checkpoint(run, state.history[-1], state.best)
+        started = time.time()
+        tokens_seen = train_loop(run, data, state)
+
+        meta = train_meta(run, data, state, init_source=init_source, target_spec=target_spec,
+                          tokens_seen=tokens_seen, seconds=time.time() - started)
+        if accelerator.is_main_process:
+            meta["checkpoint_weights_sha256"] = weights_sha256(out)
+            atomic_write_json(out / "train_meta.json", meta)
+            plot_history(state.history, out / "train_curves.png", cfg.num_draft)
+        log.info("train done: best simulated acceptance %.3f at step %s",
+                 state.best["sim_accept"] if state.best else -1, state.best["step"] if state.best else None)
+        return meta

@@ -1,0 +1,57 @@
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specdraft.drafting.lookup import LookupDrafter, lookup_draft
+from specdraft.drafting.metrics import AcceptanceStats, accepted_length
+
+
+def test_accepted_length_is_longest_common_prefix():
+    assert accepted_length([1, 2, 3], [1, 2, 4]) == 2
+    assert accepted_length([], [1]) == 0
+    assert accepted_length([5], [6]) == 0
+    assert accepted_length([1, 2], [1, 2, 3]) == 2
+
+
+@given(st.lists(st.integers(0, 3), min_size=4, max_size=4), st.lists(st.integers(0, 3), min_size=4, max_size=4))
+def test_accepted_length_matches_definition(draft, target):
+    a = accepted_length(draft, target)
+    assert draft[:a] == target[:a]
+    assert a == 4 or draft[a] != target[a]
+
+
+def test_stats_recomputed_independently():
+    rng = random.Random(0)
+    stats, raw = AcceptanceStats(k=4), []
+    for p in range(5):
+        for _ in range(3):
+            target = [rng.randrange(3) for _ in range(4)]
+            draft = [rng.randrange(3) for _ in range(4)]
+            a = stats.add(draft, target, prompt_id=f"p{p}", category="c" + str(p % 2))
+            raw.append((f"p{p}", "c" + str(p % 2), a))
+    lengths = [a for _, _, a in raw]
+    assert stats.mean_accepted_pooled == sum(lengths) / len(lengths)
+    per_prompt = [sum(a for q, _, a in raw if q == p) / 3 for p in {q for q, _, _ in raw}]
+    assert abs(stats.mean_accepted_per_prompt - sum(per_prompt) / len(per_prompt)) < 1e-12
+    assert sum(stats.histogram) == 15 and sum(i * h for i, h in enumerate(stats.histogram)) == sum(lengths)
+    cum = stats.cumulative_acceptance()
+    for i in range(4):
+        assert cum[i] == sum(a > i for a in lengths) / 15
+    cond = stats.conditional_acceptance()
+    assert abs(cond[0] - cum[0]) < 1e-12
+    for i in range(1, 4):
+        if cum[i - 1]:
+            assert abs(cond[i] - cum[i] / cum[i - 1]) < 1e-12
+    # mean accepted length = sum of cumulative acceptance over positions
+    assert abs(sum(cum) - stats.mean_accepted_pooled) < 1e-12
+    cats = stats.per_category()
+    assert cats["c0"]["points"] == 9 and cats["c1"]["points"] == 6
+
+
+def test_lookup_copies_latest_earlier_occurrence():
+    ctx = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    # last 3 tokens (1 2 3; 4-gram 5 1 2 3 has no earlier match) most recently continued with 7 8 5
+    assert lookup_draft(ctx, 3) == [7, 8, 5]
+    assert lookup_draft([4, 5, 6], 3) == []
+    assert LookupDrafter().draft([ctx, [1, 1]], 2) == [[7, 8], [1]]

@@ -1,0 +1,172 @@
+import random
+from collections import deque
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdraft.model.decode import SlotDecoder, draft_batch, greedy_decode, iter_greedy, left_pad, naive_greedy, prefill_group, supports_slot_cache
+
+
+def _load(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _prompts(vocab, lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def test_left_pad_right_aligns():
+    ids, mask = left_pad([[5, 6, 7], [9]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 9]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    with pytest.raises(ValueError):
+        left_pad([[1], []], pad_id=0)
+
+
+@pytest.mark.parametrize("kv_cache", ["static", "dynamic"])
+def test_cached_equals_naive(tiny_model_dir, kv_cache):
+    model = _load(tiny_model_dir)
+    for prompt in _prompts(model.config.vocab_size, [1, 5, 17]):
+        fast = greedy_decode(model, [prompt], 12, stop_at_eos=False, kv_cache=kv_cache)[0]
+        ref = naive_greedy(model, prompt, 12, stop_at_eos=False)
+        assert fast.tokens == ref.tokens
+
+
+def test_left_padded_batch_equals_single_rows(tiny_model_dir, monkeypatch):
+    model = _load(tiny_model_dir)
+    prompts = _prompts(model.config.vocab_size, [3, 20, 1, 9, 14], seed=1)
+    single = [draft_batch(model, [p], 10)[0] for p in prompts]
+    assert draft_batch(model, prompts, 10) == single
+    assert all(len(row) == 10 for row in single)
+    # The default padding cap prefills such different lengths one by one; lift it so that all five rows
+    # share one left-padded prefill (checked), then decode side by side.
+    groups = []
+    admit = SlotDecoder.admit
+    monkeypatch.setattr(SlotDecoder, "admit", lambda self, idx, ps: (groups.append(len(idx)), admit(self, idx, ps))[1])
+    padded = dict(iter_greedy(model, prompts, 10, stop_at_eos=False, max_padding=1.0, kv_cache="static"))
+    assert groups == [5]
+    assert [padded[i].tokens for i in range(5)] == single
+    dynamic = greedy_decode(model, prompts, 10, stop_at_eos=False, kv_cache="dynamic")  # always one padded batch
+    assert [g.tokens for g in dynamic] == single
+
+
+def test_eos_stops_rows_independently(tiny_model_dir):
+    model = _load(tiny_model_dir)
+    prompts = _prompts(model.config.vocab_size, [4, 11, 7], seed=2)
+    free = [naive_greedy(model, p, 10, stop_at_eos=False).tokens for p in prompts]
+    # Pretend the 3rd greedy token of row 0 is the EOS: row 0 stops there, the others run on unchanged.
+    eos_tok = free[0][2]
+    eos = {eos_tok}
+    got = greedy_decode(model, prompts, 10, eos_ids=eos)
+    for row, gen in enumerate(got):
+        ref = naive_greedy(model, prompts[row], 10, eos_ids=eos)
+        assert gen.tokens == ref.tokens and gen.finish_reason == ref.finish_reason
+    assert got[0].finish_reason == "eos"
+    assert got[0].tokens == free[0][: free[0].index(eos_tok) + 1]
+
+
+def test_continuous_batching_equals_single_rows(tiny_model_dir):
+    """A batch smaller than the prompt list: finished rows leave, waiting prompts take their slots (rows of
+    different ages and prompt lengths side by side), and every row still gets its own tokens."""
+    model = _load(tiny_model_dir)
+    prompts = _prompts(model.config.vocab_size, [3, 20, 1, 9, 14, 6, 30, 2], seed=3)
+    free = [naive_greedy(model, p, 9, stop_at_eos=False).tokens for p in prompts]
+    eos = {free[1][3], free[4][0], free[6][5]}  # rows stop early at different steps; one at its first token
+    ref = [naive_greedy(model, p, 9, eos_ids=eos) for p in prompts]
+    for batch_size, prefill_tokens, max_padding in [(3, 8192, 0.1), (2, 8192, 1.0), (8, 40, 0.5), (8, 8192, 1.0)]:
+        got = dict(iter_greedy(model, prompts, 9, batch_size=batch_size, eos_ids=eos, prefill_tokens=prefill_tokens,
+                               max_padding=max_padding, order=sorted(range(8), key=lambda i: -len(prompts[i]))))
+        assert sorted(got) == list(range(8))
+        assert [got[i] for i in range(8)] == ref
+    assert any(g.finish_reason == "eos" for g in ref) and any(g.finish_reason == "length" for g in ref)
+    assert dict(iter_greedy(model, prompts, 9, batch_size=3, eos_ids=eos, kv_cache="dynamic")) == dict(enumerate(ref))
+
+
+def test_prefill_groups_bound_padding_and_tokens():
+    lengths = [100, 95, 60, 58, 57, 10, 10, 10]
+    waiting = deque(range(8))
+    groups = []
+    while waiting:
+        groups.append(prefill_group(waiting, lengths, free=3, max_tokens=200, max_padding=0.1))
+    assert groups == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    assert prefill_group(deque([0, 1]), [500, 1], free=4, max_tokens=100, max_padding=1.0) == [0]  # alone if too big
+
+
+def test_slot_engine_with_eager_attention(tiny_qwen3_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    prompts = _prompts(model.config.vocab_size, [4, 13, 1], seed=4)
+    got = greedy_decode(model, prompts, 8, stop_at_eos=False, batch_size=2, kv_cache="static")
+    assert [g.tokens for g in got] == [naive_greedy(model, p, 8, stop_at_eos=False).tokens for p in prompts]
+
+
+def test_slot_engine_support_and_arguments(tiny_llama_dir):
+    model = _load(tiny_llama_dir)
+    assert supports_slot_cache(model)
+    model.config.sliding_window = 16  # a windowed model needs the dynamic engine's own masks
+    assert not supports_slot_cache(model)
+    model.config.sliding_window = None
+    with pytest.raises(ValueError, match="permutation"):
+        list(iter_greedy(model, [[5], [6]], 2, order=[0, 0]))
+    with pytest.raises(ValueError, match="at least one token"):
+        greedy_decode(model, [[5], []], 2)
+    decoder = SlotDecoder(model, slots=1, capacity=8, max_new_tokens=4, eos=set())
+    with pytest.raises(ValueError, match="capacity"):
+        decoder.admit([0], [[5] * 6])
+    decoder.admit([0], [[5] * 3])
+    with pytest.raises(ValueError, match="free slots"):
+        decoder.admit([1], [[5]])
+
+
+@pytest.mark.gpu
+def test_tiny_qwen3_on_cuda_cached_and_batched_equal_naive(tiny_qwen3_dir):
+    model = _load(tiny_qwen3_dir).to("cuda")
+    prompts = _prompts(model.config.vocab_size, [3, 20, 1, 9], seed=5)
+    naive = [naive_greedy(model, p, 10, stop_at_eos=False).tokens for p in prompts]
+    for kv_cache in ("static", "dynamic"):
+        single = [greedy_decode(model, [p], 10, stop_at_eos=False, kv_cache=kv_cache)[0].tokens for p in prompts]
+        assert single == naive
+        batched = dict(iter_greedy(model, prompts, 10, stop_at_eos=False, kv_cache=kv_cache, max_padding=1.0))
+        assert [batched[i].tokens for i in range(len(prompts))] == naive
+
+
+@pytest.mark.slow
+def test_smollm2_batched_equals_single_and_naive():
+    from specdraft.model.specs import DEFAULT_TARGET, load_model, load_tokenizer
+
+    model, tok = load_model(DEFAULT_TARGET), load_tokenizer(DEFAULT_TARGET)
+    texts = ["What is the capital of France?", "Write a haiku about the sea.",
+             "def fibonacci(n):",
+             "Summarise this in one sentence: " + " ".join(["The committee met on Tuesday to review the budget, "
+                                                            "the hiring plan and the schedule for the new office."]
+                                                           * 6)]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       tokenize=False) for t in texts]
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+    assert len(prompts[3]) > 3 * max(map(len, prompts[:3]))  # one clearly longer prompt
+    naive = [naive_greedy(model, p, 12) for p in prompts]
+    for kv_cache in ("static", "dynamic"):
+        assert greedy_decode(model, prompts, 12, kv_cache=kv_cache) == naive  # one batch
+        assert greedy_decode(model, prompts, 12, batch_size=2, kv_cache=kv_cache) == naive  # slot refill / groups
+        assert [greedy_decode(model, [p], 12, kv_cache=kv_cache)[0] for p in prompts] == naive  # alone
+    padded = dict(iter_greedy(model, prompts, 12, max_padding=1.0))  # all four in one left-padded prefill
+    assert [padded[i] for i in range(len(prompts))] == naive
+
+
+def test_kv_cache_is_freed_when_the_step_ends_not_at_the_next_gc(tiny_qwen3_dir):
+    """The server's RSS grew by GBs over minutes: each step's SlotCache sat in a reference cycle with its
+    layers, so its KV tensors waited for Python's cyclic GC. Plain reference counting must free them."""
+    import gc
+
+    from specdraft.model.decode import SlotCache
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
+    gc.collect()
+    gc.disable()
+    try:
+        draft_batch(model, [[5, 9, 33, 70], [12, 8, 40]], 6)
+        alive = [o for o in gc.get_objects() if type(o) is SlotCache]
+    finally:
+        gc.enable()
+    assert alive == []

@@ -1,0 +1,608 @@
+"""The draft server: batcher units and the HTTP API end to end over real sockets.
+
+A `specdraft serve` subprocess on a packed tiny model (port 0, found from its log, ready when /health
+says 200) serves the end-to-end tests; in-process servers with fake engines cover overload, failing
+batches, loading and shutdown without a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdraft.server.app import bind_socket, create_app, make_server, trimmed, url_of
+from specdraft.server.batcher import Batcher, BatcherClosedError, BatchFailedError, QueueFullError
+from specdraft.server.config import ServeConfig
+from specdraft.server.engine import heap_trimmer, load_engine
+
+START_TIMEOUT = 120
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+class FakeEngine:
+    """Duck-typed engine: draft row i = [sum(context) + k for k in range(n)] (mod vocab)."""
+
+    name, compute, vocab_size, max_positions = "fake", "float32", 1000, 272
+
+    def __init__(self, delay: float = 0.0, fail_when=None, gate: threading.Event | None = None):
+        self.delay, self.fail_when, self.gate, self.calls = delay, fail_when, gate, []
+
+    def draft(self, contexts, n):
+        self.calls.append(len(contexts))
+        if self.gate is not None:
+            self.gate.wait(90)
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail_when is not None and any(self.fail_when(c) for c in contexts):
+            raise RuntimeError("boom")
+        return [[(sum(c) + k) % self.vocab_size for k in range(n)] for c in contexts]
+
+    @staticmethod
+    def expected(context, n):
+        return [(sum(context) + k) % FakeEngine.vocab_size for k in range(n)]
+
+
+class ThreadServer:
+    """uvicorn in a thread on a pre-bound port-0 socket (the app's lifespan runs as in `serve`)."""
+
+    def __init__(self, app, config: ServeConfig):
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.url = url_of(self.sock)
+        self.server = make_server(config, app, self.sock, lambda: None)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "in-process server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+def fake_config(**kw) -> ServeConfig:
+    return ServeConfig(model_dir="unused", **kw)
+
+
+def wait_healthy(url: str, timeout: float = START_TIMEOUT) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            r = httpx.get(url + "/health", timeout=5)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never became healthy")
+
+
+def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def assert_error(r: httpx.Response, status: int, field: str, reason: str = "") -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error", "message", "details"}
+    fields = [d["field"] for d in body["details"]]
+    assert field in fields, (field, body)
+    if reason:
+        assert any(reason.lower() in d["reason"].lower() for d in body["details"] if d["field"] == field), body
+    return body
+
+
+# ----------------------------------------------------------------------------------------- batcher
+
+
+# --------------------------------------------------------------------------------------- int4 layer
+
+
+# ------------------------------------------------------------------------------------------- batcher
+
+def test_batcher_batches_and_answers_each_request_with_its_row():
+    engine = FakeEngine(delay=0.05)
+    b = Batcher(engine.draft, max_batch_size=8, max_wait_s=0.05).start()
+    try:
+        contexts = [[i, i + 1] for i in range(12)]
+        futures = [b.submit(c, 1 + i % 5) for i, c in enumerate(contexts)]
+        rows = [f.result(10) for f in futures]
+    finally:
+        b.close()
+    assert rows == [FakeEngine.expected(c, 1 + i % 5) for i, c in enumerate(contexts)]
+    assert max(engine.calls) > 1 and sum(engine.calls) == 12 and max(engine.calls) <= 8
+
+
+def test_batcher_failed_batch_fails_its_requests_and_goes_on():
+    engine = FakeEngine(fail_when=lambda c: c == [666])
+    b = Batcher(engine.draft, max_batch_size=4, max_wait_s=0.05).start()
+    try:
+        bad = [b.submit([666], 3), b.submit([1], 3)]  # same batch as the poison row
+        for f in bad:
+            with pytest.raises(BatchFailedError, match="boom"):
+                f.result(10)
+        assert b.submit([2, 3], 4).result(10) == FakeEngine.expected([2, 3], 4)
+    finally:
+        b.close()
+
+
+def test_batcher_asserts_one_output_per_input():
+    b = Batcher(lambda contexts, n: [[0] * n], max_batch_size=4, max_wait_s=0.05).start()
+    try:
+        futures = [b.submit([1], 2), b.submit([2], 2)]
+        for f in futures:
+            with pytest.raises(BatchFailedError, match="1 rows for 2 requests"):
+                f.result(10)
+    finally:
+        b.close()
+
+
+def test_batcher_full_queue_is_refused_at_once_and_close_drains():
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    b = Batcher(engine.draft, max_batch_size=1, max_wait_s=0, max_queue=2).start()
+    first = b.submit([1], 1)
+    deadline = time.time() + 30
+    while not engine.calls:  # the worker holds the first request inside the (blocked) step
+        assert time.time() < deadline
+        time.sleep(0.01)
+    queued = [b.submit([2], 1), b.submit([3], 1)]
+    t = time.perf_counter()
+    with pytest.raises(QueueFullError):
+        b.submit([4], 1)
+    assert time.perf_counter() - t < 0.5
+    gate.set()
+    b.close(drain=True, timeout=10)
+    assert [f.result(0) for f in [first, *queued]] == [[1], [2], [3]]
+    with pytest.raises(BatcherClosedError):
+        b.submit([5], 1)
+
+
+def test_batcher_splits_by_token_budget_in_length_order():
+    engine = FakeEngine(delay=0.05)
+    b = Batcher(engine.draft, max_batch_size=8, max_wait_s=0.1, max_batch_tokens=40).start()
+    try:
+        futures = [b.submit([1] * length, 4) for length in (16, 1, 16, 2)]
+        assert [len(f.result(10)) for f in futures] == [4, 4, 4, 4]
+    finally:
+        b.close()
+    assert sum(engine.calls) == 4 and max(engine.calls) <= 2  # (16 + 4) x 2 rows = 40 tokens per step
+
+
+# ----------------------------------------------------------------------------- end to end (subprocess)
+
+@pytest.fixture(scope="module")
+def packed_dir(tiny_qwen3_dir, tmp_path_factory):
+    from specdraft.cli import main
+    out = tmp_path_factory.mktemp("packed") / "tiny-qwen3-packed"
+    assert main(["pack", "--checkpoint", str(tiny_qwen3_dir), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def live(packed_dir):
+    """serve.sh (`specdraft serve`, --weights MODEL_DIR/draft.qd4) on the packed tiny model, port 0;
+    yields (url, log lines)."""
+    argv = ["bash", str(REPO / "serve.sh"), "--max-wait-ms", "30", "--max-batch-size", "16", "--threads", "1",
+            "--max-body-bytes", "65536"]
+    env = {**os.environ, "MODEL_DIR": str(packed_dir), "PORT": "0", "PYTHON": sys.executable}
+    env.pop("WEIGHTS", None)
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    lines: list[str] = []
+    found = threading.Event()
+
+    def pump():
+        for line in proc.stderr:
+            lines.append(line.rstrip())
+            if "listening on" in line:
+                found.set()
+        found.set()
+
+    pumper = threading.Thread(target=pump, daemon=True)
+    pumper.start()
+    try:
+        assert found.wait(START_TIMEOUT), "no 'listening on' line"
+        m = next((re.search(r"listening on (http://127\.0\.0\.1:(\d+))$", x) for x in lines if "listening on" in x))
+        assert m and int(m.group(2)) > 0, lines
+        url = m.group(1)
+        wait_healthy(url)
+        yield url, lines
+    finally:
+        proc.terminate()
+        rc = proc.wait(30)
+        pumper.join(10)
+    assert rc == 0, "\n".join(lines[-20:])
+    assert any("batcher drained and stopped" in x for x in lines), lines[-10:]
+
+
+def test_serve_logs_the_loader_line_and_health(live, packed_dir):
+    url, lines = live
+    assert any("specdraft.model.loader: loaded qd4 missing=0 unexpected=0" in x and str(packed_dir / "draft.qd4") in x
+               for x in lines), lines
+    health = httpx.get(url + "/health").json()
+    assert health == {"status": "ok", "model": packed_dir.name, "compute": "int4", "detail": None}
+
+
+def test_concurrent_requests_get_their_single_request_drafts(live, packed_dir):
+    url, _ = live
+    vocab, _ = _vocab_and_limit(url)
+    rng = random.Random(7)
+    requests = [{"token_ids": [rng.randrange(0, vocab) for _ in range(rng.choice([1, 2, 5, 17, 40, 90]))],
+                 "num_tokens": rng.randint(1, 16)} for _ in range(24)]
+    requests[0].pop("num_tokens")  # default: 16
+    with httpx.Client(base_url=url, timeout=60) as client:
+        single = [client.post("/draft", json=r).json() for r in requests]
+    before = metric_samples(url)
+    barrier = threading.Barrier(12)
+
+    def send(r):
+        with httpx.Client(base_url=url, timeout=60) as client:
+            barrier.wait()
+            return client.post("/draft", json=r).json()
+
+    for _ in range(2):
+        with ThreadPoolExecutor(12) as pool:
+            concurrent_ = list(pool.map(send, requests))
+        assert concurrent_ == single
+    assert all(len(s["draft_ids"]) == r.get("num_tokens", 16) for s, r in zip(single, requests))
+    # The server returns the model's own greedy draft (same weights, same int4 kernel, in process).
+    engine = load_engine(packed_dir, None, "int4")
+    assert [s["draft_ids"] for s in single[:4]] == [
+        engine.draft([r["token_ids"]], r.get("num_tokens", 16))[0] for r in requests[:4]]
+    after = metric_samples(url)
+    key = ("specdraft_batch_size_bucket", (("le", "1.0"),))
+    batches = after[("specdraft_batch_size_count", ())] - before[("specdraft_batch_size_count", ())]
+    singles = after[key] - before[key]
+    assert batches - singles > 0, "no batch of more than one request"
+    assert after[("specdraft_batch_size_sum", ())] - before[("specdraft_batch_size_sum", ())] == 48
+    assert after[("specdraft_draft_tokens_total", ())] > before[("specdraft_draft_tokens_total", ())]
+
+
+def _vocab_and_limit(url):
+    schema = httpx.get(url + "/openapi.json").json()["components"]["schemas"]["DraftRequest"]["properties"]
+    items = schema["token_ids"]["items"]
+    assert isinstance(items["maximum"], int)
+    return items["maximum"] + 1, schema["token_ids"]["maxItems"]
+
+
+BAD_JSON_BODIES = {
+    "bool": ({"token_ids": [1, True, 3]}, "token_ids[1]", "got boolean"),
+    "float": ({"token_ids": [1, 2.0]}, "token_ids[1]", "got float"),
+    "string": ({"token_ids": ["5"]}, "token_ids[0]", "got string"),
+    "null": ({"token_ids": [None]}, "token_ids[0]", "got null"),
+    "nested_list": ({"token_ids": [[1, 2]]}, "token_ids[0]", "got array"),
+    "negative_id": ({"token_ids": [3, -1]}, "token_ids[1]", "greater than or equal to 0"),
+    "id_beyond_vocab": ({"token_ids": ["VOCAB"]}, "token_ids[0]", "less than or equal to"),
+    "empty_list": ({"token_ids": []}, "token_ids", "at least 1"),
+    "too_long": ({"token_ids": "LONG"}, "token_ids", "at most"),
+    "token_ids_not_a_list": ({"token_ids": 5}, "token_ids", "valid list"),
+    "token_ids_missing": ({"num_tokens": 4}, "token_ids", "required"),
+    "num_tokens_zero": ({"token_ids": [1], "num_tokens": 0}, "num_tokens", "greater than or equal to 1"),
+    "num_tokens_17": ({"token_ids": [1], "num_tokens": 17}, "num_tokens", "less than or equal to 16"),
+    "num_tokens_string": ({"token_ids": [1], "num_tokens": "4"}, "num_tokens", "valid integer"),
+    "num_tokens_bool": ({"token_ids": [1], "num_tokens": True}, "num_tokens", "valid integer"),
+    "unknown_field": ({"token_ids": [1], "temperature": 0.5}, "temperature", "unknown field"),
+    "body_not_object": ([1, 2, 3], "body", "dictionary"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_JSON_BODIES))
+def test_bad_json_field_is_422_naming_the_field(live, case):
+    url, _ = live
+    vocab, limit = _vocab_and_limit(url)
+    body, field, reason = BAD_JSON_BODIES[case]
+    if isinstance(body, dict) and body.get("token_ids") == ["VOCAB"]:
+        body = {"token_ids": [vocab]}
+    if isinstance(body, dict) and body.get("token_ids") == "LONG":
+        body = {"token_ids": [1] * (limit + 1)}
+    assert_error(httpx.post(url + "/draft", json=body), 422, field, reason)
+
+
+def test_longest_allowed_context_is_served(live):
+    url, _ = live
+    vocab, limit = _vocab_and_limit(url)
+    assert limit == 512 - 16  # tiny model: 512 positions minus num_draft
+    r = httpx.post(url + "/draft", json={"token_ids": [vocab - 1] * limit, "num_tokens": 16}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["draft_ids"]) == 16
+
+
+def test_malformed_json_is_400(live):
+    url, _ = live
+    r = httpx.post(url + "/draft", content=b'{"token_ids": [1, 2', headers={"content-type": "application/json"})
+    assert_error(r, 400, "body", "delimiter")
+
+
+def test_invalid_utf8_is_400(live):
+    url, _ = live
+    r = httpx.post(url + "/draft", content=b'{"token_ids": [1], "x": "\xff\xfe"}',
+                   headers={"content-type": "application/json"})
+    assert_error(r, 400, "body")
+
+
+def test_empty_body_is_422(live):
+    url, _ = live
+    assert_error(httpx.post(url + "/draft", content=b"", headers={"content-type": "application/json"}),
+                 422, "body", "required")
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_wrong_content_type_is_415(live, content_type):
+    url, _ = live
+    headers = {"content-type": content_type} if content_type else {}
+    r = httpx.post(url + "/draft", content=b'{"token_ids": [1]}', headers=headers)
+    assert_error(r, 415, "headers.content-type", "application/json")
+
+
+def test_body_over_the_limit_is_413(live):
+    url, _ = live
+    big = json.dumps({"token_ids": [1] * 40000}).encode()  # > --max-body-bytes 65536
+    assert_error(httpx.post(url + "/draft", content=big, headers={"content-type": "application/json"}),
+                 413, "body", "limit")
+
+    def chunks():  # no Content-Length: the streamed size is what counts
+        for i in range(0, len(big), 8192):
+            yield big[i:i + 8192]
+
+    assert_error(httpx.post(url + "/draft", content=chunks(), headers={"content-type": "application/json"}),
+                 413, "body", "limit")
+
+
+def test_unknown_route_and_method_are_json_4xx(live):
+    url, _ = live
+    assert_error(httpx.get(url + "/nope"), 404, "path")
+    assert_error(httpx.get(url + "/draft"), 405, "path")
+
+
+def test_server_keeps_serving_and_never_5xx_after_bad_input(live):
+    url, _ = live
+    with httpx.Client(base_url=url) as c:
+        for body in (b"{", b"[]", b'{"token_ids": [1e999]}', b'{"token_ids": [NaN]}', b"\x00" * 100,
+                     b'{"token_ids": ' + b"[" * 5000 + b"]" * 5000 + b"}"):
+            r = c.post("/draft", content=body, headers={"content-type": "application/json"})
+            assert 400 <= r.status_code < 500, (body[:40], r.status_code, r.text[:200])
+        assert c.post("/draft", json={"token_ids": [1, 2, 3], "num_tokens": 2}).status_code == 200
+    samples = metric_samples(url)
+    assert not [k for k, v in samples.items() if k[0] == "specdraft_requests_total"
+                and dict(k[1])["route"] == "/draft" and dict(k[1])["status"].startswith("5") and v > 0]
+
+
+def test_openapi_documents_the_limits(live):
+    url, _ = live
+    spec = httpx.get(url + "/openapi.json").json()
+    req = spec["components"]["schemas"]["DraftRequest"]
+    assert req["additionalProperties"] is False
+    assert req["properties"]["num_tokens"]["maximum"] == 16 and req["properties"]["num_tokens"]["default"] == 16
+    assert {"200", "400", "413", "415", "422", "503"} <= set(spec["paths"]["/draft"]["post"]["responses"])
+    assert set(spec["paths"]) == {"/draft", "/health", "/metrics"}
+
+
+# ------------------------------------------------------------------------------------------ schemathesis
+
+def _has_float(value) -> bool:
+    if isinstance(value, float):
+        return True
+    if isinstance(value, dict):
+        return any(_has_float(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_float(v) for v in value)
+    return False
+
+
+def run_schemathesis(url: str, max_examples: int) -> tuple[list[str], dict[str, int]]:
+    """Schemathesis' engine (what `schemathesis run` drives) over the live /openapi.json: the examples,
+    coverage (boundary values) and fuzzing phases in positive and negative modes, with every default check
+    (no 5xx, documented status codes, content types and bodies, invalid data rejected, valid data
+    accepted). Returns (failures, scenarios per phase)."""
+    import schemathesis
+    from schemathesis.config import SchemathesisConfig
+    from schemathesis.engine import Status, events
+    from schemathesis.openapi.checks import RejectedPositiveData
+
+    config = SchemathesisConfig()
+    config.projects.default.update(request_timeout=30)
+    config.projects.default.generation.update(max_examples=max_examples, deterministic=True)
+    config.projects.default.phases.update(phases=["examples", "coverage", "fuzzing"])
+    schema = schemathesis.openapi.from_url(url + "/openapi.json", config=config)
+
+    @schema.hook("filter_failure")
+    def strict_ints_are_deliberate(ctx, failure, case, response):
+        # JSON Schema counts 1.0 as an integer; the API refuses floats on purpose (pydantic StrictInt).
+        return not (isinstance(failure, RejectedPositiveData) and _has_float(case.body))
+
+    failures: list[str] = []
+    scenarios: dict[str, int] = {}
+    for event in schemathesis.engine.from_schema(schema).execute():
+        if isinstance(event, events.ScenarioFinished):
+            scenarios[str(event.phase)] = scenarios.get(str(event.phase), 0) + 1
+            if event.status in (Status.FAILURE, Status.ERROR):
+                for case_id, checks in event.recorder.checks.items():
+                    case = event.recorder.cases[case_id].value
+                    failures += [f"{event.phase} {event.label} {c.name}: {c.failure_info.failure.title} "
+                                 f"body={case.body!r:.200}" for c in checks
+                                 if c.status != Status.SUCCESS and c.failure_info is not None]
+                if not failures:
+                    failures.append(f"{event.phase} {event.label}: {event.status}")
+        elif isinstance(event, (events.NonFatalError, events.FatalError)):
+            failures.append(f"engine error: {event}")
+    return failures, scenarios
+
+
+def test_schemathesis_finds_no_5xx_and_no_schema_violation(live):
+    url, _ = live
+    failures, scenarios = run_schemathesis(url, max_examples=40)
+    assert not failures, "\n".join(failures[:10])
+    assert scenarios.get("coverage", 0) >= 1 and scenarios.get("fuzzing", 0) >= 3, scenarios
+
+
+def test_schemathesis_would_catch_a_5xx_on_long_contexts():
+    """The check above can fail: a server that breaks on contexts over 100 tokens is caught."""
+    class Fragile(FakeEngine):
+        def draft(self, contexts, n):
+            if any(len(c) > 100 for c in contexts):
+                raise RuntimeError("fragile")
+            return super().draft(contexts, n)
+
+    cfg = fake_config()
+    with ThreadServer(create_app(cfg, Fragile()), cfg) as srv:
+        failures, _ = run_schemathesis(srv.url, max_examples=10)
+    assert any("not_a_server_error" in f for f in failures), failures
+
+
+# ------------------------------------------------------------------------- in process, fake engines
+
+def test_queue_full_is_503_with_retry_after_not_a_hang():
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    cfg = fake_config(max_batch_size=1, max_queue=1, max_wait_ms=0)
+    with ThreadServer(create_app(cfg, engine), cfg) as srv, ThreadPoolExecutor(2) as pool:
+        try:
+            # One at a time: sent together, the second could reach the 1-slot queue before the worker took
+            # the first, and be refused itself.
+            deadline = time.time() + 60  # generous: CI machines are shared and slow
+            held = [pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [1]}, timeout=90)]
+            while not engine.calls:  # the first is in the (gated) step
+                assert time.time() < deadline
+                time.sleep(0.02)
+            held.append(pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [2]}, timeout=90))
+            while metric_samples(srv.url)[("specdraft_queue_depth", ())] < 1:  # the second waits in the queue
+                assert time.time() < deadline
+                time.sleep(0.02)
+            t = time.perf_counter()
+            r = httpx.post(srv.url + "/draft", json={"token_ids": [3]}, timeout=30)
+            assert time.perf_counter() - t < 5  # refused at once, not after the 30 s request timeout
+            assert r.status_code == 503 and r.json()["error"] == "queue_full" and r.headers["retry-after"] == "1"
+        finally:
+            gate.set()  # also when an assertion failed, so the held requests end
+        assert [h.result().status_code for h in held] == [200, 200]
+
+
+def test_heap_is_trimmed_once_loaded_and_after_every_step_also_a_failed_one(monkeypatch):
+    import specdraft.server.app as app_mod
+    trims = []
+    monkeypatch.setattr(app_mod, "heap_trimmer", lambda: lambda: trims.append(1))
+    engine = FakeEngine(fail_when=lambda c: c == [13])
+    for trim_heap, expected in ((True, 3), (False, 0)):
+        trims.clear()
+        cfg = fake_config(max_wait_ms=0, trim_heap=trim_heap)
+        with ThreadServer(create_app(cfg, engine), cfg) as srv:
+            assert len(trims) == (1 if trim_heap else 0)  # what loading freed, before any request
+            assert httpx.post(srv.url + "/draft", json={"token_ids": [1, 2], "num_tokens": 2}).status_code == 200
+            assert httpx.post(srv.url + "/draft", json={"token_ids": [13]}).status_code == 500
+        assert len(trims) == expected
+
+
+def test_trimmed_step_returns_the_steps_rows_and_glibc_trim_runs():
+    calls = []
+    step = trimmed(lambda contexts, n: [[n] * n for _ in contexts], lambda: calls.append("trim"))
+    assert step([[1], [2]], 3) == [[3, 3, 3], [3, 3, 3]] and calls == ["trim"]
+    trim = heap_trimmer()
+    if sys.platform.startswith("linux"):  # this project's machines: glibc
+        assert trim is not None and trim() in (0, 1)
+    else:
+        assert trim is None
+
+
+def test_failed_batch_is_an_error_for_its_requests_and_the_server_goes_on():
+    engine = FakeEngine(fail_when=lambda c: c == [13])
+    cfg = fake_config(max_wait_ms=1)
+    with ThreadServer(create_app(cfg, engine), cfg) as srv:
+        r = httpx.post(srv.url + "/draft", json={"token_ids": [13]})
+        assert r.status_code == 500 and r.json()["error"] == "draft_failed"
+        r = httpx.post(srv.url + "/draft", json={"token_ids": [1, 2], "num_tokens": 3})
+        assert r.status_code == 200 and r.json() == {"draft_ids": [3, 4, 5], "model": "fake"}
+        assert metric_samples(srv.url)[("specdraft_batch_failures_total", ())] == 1
+
+
+def test_health_is_503_until_the_weights_are_loaded(monkeypatch, packed_dir):
+    import specdraft.server.app as app_mod
+    release = threading.Event()
+    real = app_mod.load_engine
+
+    def slow_load(*a, **kw):
+        release.wait(20)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(app_mod, "load_engine", slow_load)
+    cfg = ServeConfig(model_dir=str(packed_dir), threads=1)
+    with ThreadServer(create_app(cfg), cfg) as srv:
+        r = httpx.get(srv.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = httpx.post(srv.url + "/draft", json={"token_ids": [1]})
+        assert r.status_code == 503 and r.json()["error"] == "not_ready" and "retry-after" in r.headers
+        # the request schema is known before the weights: bad input is still a 4xx
+        assert httpx.post(srv.url + "/draft", json={"token_ids": [1.5]}).status_code == 422
+        release.set()
+        assert wait_healthy(srv.url, 60)["compute"] == "int4"
+        assert httpx.post(srv.url + "/draft", json={"token_ids": [1], "num_tokens": 2}).status_code == 200
+
+
+def test_failed_load_reports_failed_health(tmp_path, packed_dir):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in packed_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    data = bytearray((bad / "draft.qd4").read_bytes())
+    data[-1] ^= 0xFF  # corrupt the payload: the strict loader's checksum refuses it
+    (bad / "draft.qd4").write_bytes(bytes(data))
+    failures = []
+    cfg = ServeConfig(model_dir=str(bad))
+    with ThreadServer(create_app(cfg, on_load_failed=failures.append), cfg) as srv:
+        deadline = time.time() + 60
+        while not failures:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        r = httpx.get(srv.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "failed" and "checksum" in r.json()["detail"]
+
+
+def test_graceful_shutdown_answers_requests_in_flight():
+    engine = FakeEngine(delay=1.0)
+    cfg = fake_config(max_batch_size=2, max_wait_ms=0)
+    srv = ThreadServer(create_app(cfg, engine), cfg).__enter__()
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [i]}, timeout=30)
+                   for i in range(4)]
+        # In flight = accepted by the server: two in the model step, two waiting in the queue.
+        deadline = time.time() + 60
+        while not (engine.calls and metric_samples(srv.url)[("specdraft_queue_depth", ())] >= 2):
+            assert time.time() < deadline
+            time.sleep(0.01)
+        srv.__exit__(None, None, None)  # SIGTERM's path: stop accepting, finish in-flight, drain
+        assert [f.result().status_code for f in futures] == [200] * 4
+    assert not srv.thread.is_alive()
+
+
+def test_config_limits_are_checked():
+    with pytest.raises(ValueError, match="exceeds"):
+        create_app(fake_config(max_context=300), FakeEngine())  # 272 positions - 16
+    app = create_app(fake_config(max_context=100, num_draft=8), FakeEngine())
+    assert app.state.max_context == 100
+    with pytest.raises(ValueError):
+        ServeConfig(model_dir="x", compute="int8")
+
+
+def test_serve_refuses_a_dir_without_a_model(tmp_path, caplog):
+    from specdraft.cli import main
+    assert main(["serve", "--model-dir", str(tmp_path), "--port", "0"]) == 2
+    assert "not a model dir" in caplog.text

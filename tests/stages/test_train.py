@@ -1,0 +1,279 @@
+import argparse
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import specdraft.stages.train as train_stage
+from specdraft.core.config import add_config_arguments, config_from_args
+from specdraft.core.io import sha256_file
+from specdraft.core.records import Example, read_traces
+from specdraft.drafting.metrics import accepted_length
+from specdraft.model.decode import greedy_decode
+from specdraft.model.loader import load_packed_model
+from specdraft.model.tiny import build_tiny_model
+from specdraft.model.truncate import parse_truncate_spec, truncate_layers
+from specdraft.quant import q4g
+from specdraft.quant.qat import enable_qat
+from specdraft.stages.pack import PackConfig, run_pack
+from specdraft.stages.train import (
+    TrainConfig,
+    heldout_loss,
+    make_batches,
+    run_train,
+    simulated_acceptance,
+    split_heldout,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("target"), "llama", layers=4, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_traces(tmp_path_factory, tiny_target):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(4, 20))] for _ in range(40)]
+    gens = greedy_decode(model, prompts, 40, stop_at_eos=False)
+    path = tmp_path_factory.mktemp("traces") / "traces.jsonl"
+    with open(path, "w") as f:
+        for i, (p, g) in enumerate(zip(prompts, gens)):
+            f.write(json.dumps({"id": f"t{i}", "source": "test", "prompt_ids": p,
+                                "completion_ids": g.tokens, "finish_reason": g.finish_reason}) + "\n")
+    return path
+
+
+def _cfg(traces, model_dir, out, **kw):
+    """A short run on the tiny target; the draft is its first 2 layers."""
+    base = dict(traces=str(traces), init=f"truncate:{model_dir}:2", out=str(out), target=str(model_dir),
+                epochs=2, lr=3e-3, warmup_steps=2, batch_tokens=256, eval_every=4, heldout_fraction=0.2,
+                seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_parse_truncate_spec():
+    assert parse_truncate_spec("truncate:embedded:smollm2-135m-instruct:4") == ("embedded:smollm2-135m-instruct", 4)
+    assert parse_truncate_spec("truncate:/x/y:0,2,5") == ("/x/y", [0, 2, 5])
+    assert parse_truncate_spec("/plain/dir") is None
+    for bad in ("truncate:4", "truncate:/x/y:two", "truncate:/x/y:1,,2"):
+        with pytest.raises(ValueError, match="--init .*expected truncate:TARGET_SPEC:N"):
+            parse_truncate_spec(bad)
+
+
+@pytest.mark.parametrize("name", ["train.default.json", "train.labels.json", "train.qat.json", "train.qwen3-8b.json"])
+def test_shipped_train_configs_load_through_the_cli(name):
+    """The README runs them as `specdraft train --config FILE` (plus flags): every field valid, and the GPU
+    reference's file complete on its own (it names traces, init and out)."""
+    config_file = Path(__file__).resolve().parents[2] / "configs" / name
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, TrainConfig)  # the options `specdraft train` has
+    flags = [] if name == "train.qwen3-8b.json" else ["--traces", "t.jsonl", "--out", "o", "--init", "x"]
+    config = config_from_args(TrainConfig, parser.parse_args(flags), str(config_file))
+    assert config.to_json_dict()["out"] == json.loads(config_file.read_text()).get("out", "o")
+
+
+def test_truncate_keeps_chosen_layers(tiny_target):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    third = model.model.layers[3].mlp.up_proj.weight.clone()
+    truncate_layers(model, [0, 3])
+    assert model.config.num_hidden_layers == 2 and len(model.model.layers) == 2
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, third)
+    assert model.model.layers[1].self_attn.layer_idx == 1
+    with pytest.raises(ValueError):
+        truncate_layers(model, 5)
+
+
+def test_batches_cover_every_example_once_and_respect_budget():
+    exs = [Example(str(i), list(range(5 + i % 17)), 2) for i in range(100)]
+    batches = make_batches(exs, 64, seed=1, epoch=0)
+    flat = sorted(i for b in batches for i in b)
+    assert flat == list(range(100))
+    assert all(len(b) * max(len(exs[i].input_ids) for i in b) <= 64 or len(b) == 1 for b in batches)
+    assert make_batches(exs, 64, 1, 0) == batches and make_batches(exs, 64, 1, 1) != batches
+
+
+def test_simulated_acceptance_equals_real_greedy_drafts(tiny_target):
+    target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    draft = truncate_layers(AutoModelForCausalLM.from_pretrained(tiny_target).eval(), 3)
+    rng = random.Random(5)
+    exs = []
+    for i in range(4):
+        prompt = [rng.randrange(3, 300) for _ in range(6 + i)]
+        completion = greedy_decode(target, [prompt], 32, stop_at_eos=False)[0].tokens
+        exs.append(Example(f"e{i}", prompt + completion, len(prompt)))
+    stats = simulated_acceptance(draft, exs, k=8)
+    # Independently: real greedy drafts from the context at each offset.
+    real = []
+    for ex in exs:
+        for off in range(0, 32 - 8 + 1, 8):
+            ctx = ex.input_ids[: ex.prompt_len + off]
+            d = greedy_decode(draft, [ctx], 8, stop_at_eos=False)[0].tokens
+            real.append(accepted_length(d, ex.completion[off:off + 8]))
+    assert stats.points == len(real)
+    assert stats.accepted_total == sum(real)
+
+
+def test_training_improves_and_writes_artifacts(tiny_traces, tiny_target, tmp_path):
+    cfg = _cfg(tiny_traces, tiny_target, tmp_path / "ckpt", epochs=4, eval_every=10)
+    train_set, _ = split_heldout(read_traces(tiny_traces, cfg.max_seq_len), cfg.heldout_fraction)
+    init = truncate_layers(AutoModelForCausalLM.from_pretrained(tiny_target), 2)
+    meta = run_train(cfg)
+    # Random-model traces do not generalise across prompts; the fit to the training traces must improve.
+    best = meta["best"]
+    assert best["sim_accept"] == max(h["sim_accept"] for h in meta["history"])
+    final_fit = meta["final"]["train_loss"]
+    assert final_fit < heldout_loss(init, train_set, pad_id=0) - 0.3
+    out = tmp_path / "ckpt"
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert (out / "train_curves.png").stat().st_size > 0
+    saved = json.loads((out / "train_meta.json").read_text())
+    assert saved["traces"]["count"] == 40 and len(saved["traces"]["sha256"]) == 64
+    assert saved["init"]["truncate_layers"] == 2
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.config.num_hidden_layers == 2
+
+
+def test_resume_after_interruption_matches_uninterrupted_run(tiny_traces, tiny_target, tmp_path, monkeypatch):
+    full = _cfg(tiny_traces, tiny_target, tmp_path / "full", max_steps=8)
+    run_train(full)
+    part = _cfg(tiny_traces, tiny_target, tmp_path / "part", max_steps=8)
+    # "Kill" the same run in the middle of step 6, after the step-4 checkpoint was written.
+    original = train_stage.lr_at
+
+    class Killed(Exception):
+        pass
+
+    def killing_lr(step, total, cfg):
+        if step == 5:  # the 6th optimizer step
+            raise Killed
+        return original(step, total, cfg)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train_stage, "lr_at", killing_lr)
+        with pytest.raises(Killed):
+            run_train(part)
+    assert (tmp_path / "part" / "last" / "trainer_state.json").is_file()
+    run_train(part)
+    a = load_file(tmp_path / "full" / "last" / "model.safetensors")
+    b = load_file(tmp_path / "part" / "last" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_refuses_a_corrupt_checkpoint_with_its_path(tiny_traces, tiny_target, tmp_path):
+    cfg = _cfg(tiny_traces, tiny_target, tmp_path / "run", max_steps=2, eval_every=2)
+    run_train(cfg)
+    last = tmp_path / "run" / "last"
+    weights = last / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    with pytest.raises(ValueError, match=f"cannot resume: corrupt weight file: {weights}: truncated"):
+        run_train(cfg)
+    state = json.loads((last / "trainer_state.json").read_text())
+    (last / "trainer_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "config"}))
+    with pytest.raises(ValueError, match="trainer_state.json: not a trainer state"):
+        run_train(cfg)
+
+
+def test_the_target_is_read_from_the_summary_beside_traces_of_any_name(tiny_traces, tiny_target, tmp_path):
+    """X.jsonl's target is the one X.summary.json records (the traces stage's naming), whatever X is; a
+    traces.summary.json beside it belongs to other traces and is not read."""
+    traces = tmp_path / "t.jsonl"
+    shutil.copy(tiny_traces, traces)
+    summary = tmp_path / "t.summary.json"
+    summary.write_text(json.dumps({"stage": "traces", "target": {"spec": str(tiny_target)}}))
+    other = {"stage": "traces", "target": {"spec": str(tmp_path / "another-target")}}
+    (tmp_path / "traces.summary.json").write_text(json.dumps(other))
+    meta = run_train(_cfg(traces, tiny_target, tmp_path / "ckpt", target=None, max_steps=1))
+    assert meta["config"]["target"] is None
+    assert meta["target"]["spec"] == str(tiny_target)  # not the embedded default, nor the other summary's
+    assert meta["traces"]["summary_sha256"] == sha256_file(summary)
+
+
+def test_tokenizer_mismatch_is_refused(tiny_traces, tiny_target, tmp_path):
+    other = build_tiny_model(tmp_path / "other", "llama", vocab_size=300)
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        run_train(_cfg(tiny_traces, tiny_target, tmp_path / "x", init=str(other)))
+
+
+@pytest.mark.parametrize("line, says", [
+    ('{"id": "a", "prompt_ids": [1, 2], "completion_ids": [3, 4]', "traces.jsonl:2: not valid JSON"),
+    ('[1, 2, 3]', "traces.jsonl:2: expected a JSON object with an 'id'"),
+    ('{"id": "a", "prompt_ids": [1, 2]}', "traces.jsonl:2: field 'completion_ids' must be a list of token ids"),
+    ('{"id": "a", "prompt_ids": [1, 2], "completion_ids": "34"}', "field 'completion_ids' must be a list"),
+    ('{"id": "a", "prompt_ids": [1, -2], "completion_ids": [3]}', "field 'prompt_ids' holds a negative token id"),
+    ('{"id": "a", "prompt_ids": [1], "completion_ids": [3, 4], "target_ids": [5]}', "1 target_ids for 2"),
+])
+def test_a_bad_traces_row_is_refused_with_its_line_and_field(tmp_path, line, says):
+    path = tmp_path / "traces.jsonl"
+    path.write_text('{"id": "ok", "prompt_ids": [1, 2], "completion_ids": [3, 4]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=re.escape(says)):
+        read_traces(path, 64)
+
+
+def test_traces_beyond_the_drafts_vocab_are_refused(tiny_traces, tiny_target, tmp_path):
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(json.dumps({"id": "h", "prompt_ids": [1, 2], "completion_ids": [3, 10_000]}) + "\n")
+    with pytest.raises(ValueError, match="heldout.jsonl uses token id 10000 but the draft's vocab has"):
+        run_train(_cfg(tiny_traces, tiny_target, tmp_path / "x", heldout_traces=str(heldout)))
+
+
+def test_qat_computes_on_the_packed_weights_and_still_learns(tiny_target):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    model.get_input_embeddings().weight.requires_grad_(False)  # frozen, as in training: quantised once
+    model.model.layers[0].requires_grad_(False)  # a frozen layer is packed too, so it computes quantised
+    reference = AutoModelForCausalLM.from_pretrained(tiny_target)
+    with torch.no_grad():
+        for module in reference.modules():  # every linear layer and the (tied) embedding, as the packer does
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.copy_(q4g.fake_quantize(module.weight, 32))
+    assert enable_qat(model, 32) == 4 * 7 + 2  # q, k, v, o, gate, up, down in each of 4 layers; embedding, head
+    ids = torch.tensor([[5, 9, 33, 70, 12, 8]])
+    assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    assert not any(k.endswith("_qat_weight") for k in model.state_dict())  # checkpoints keep the float weights
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()  # straight-through: every trained weight gets a gradient
+    trained = [m.weight.grad for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.requires_grad]
+    assert len(trained) == 3 * 7 and all(g is not None and g.abs().sum() > 0 for g in trained)
+
+
+def test_qat_keeps_a_frozen_layer_on_its_finer_grid(tiny_target):
+    """The pack stores a weight that sits exactly on a G=32 grid at G=32, unchanged; QAT at G=64 must compute
+    with that same weight, not a re-rounded one."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    layer0 = [m for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for m in layer0:
+            m.weight.copy_(q4g.dequantize(q4g.quantize(m.weight, 32)))
+    model.model.layers[0].requires_grad_(False)
+    enable_qat(model, 64)
+    assert all(torch.equal(m._qat_weight, m.weight) for m in layer0)
+    up = model.model.layers[1].mlp.up_proj  # trainable, on no grid: rounded at G=64 in every forward
+    x = torch.randn(2, up.in_features)
+    assert torch.equal(up(x), torch.nn.functional.linear(x, q4g.fake_quantize(up.weight, 64)))
+
+
+def test_qat_training_scores_the_model_that_packing_will_produce(tiny_traces, tiny_target, tmp_path):
+    cfg = _cfg(tiny_traces, tiny_target, tmp_path / "qat", epochs=1, eval_every=3, qat_group_size=32)
+    meta = run_train(cfg)
+    assert meta["config"]["qat_group_size"] == 32
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "qat").eval()  # plain HF weights: the latent floats
+    # raw f32: QAT does not round norms to fp16 (the default raw encoding, a ~1e-4 relative effect)
+    run_pack(PackConfig(checkpoint=str(tmp_path / "qat"), out=str(tmp_path / "packed"), group_size=32,
+                        raw_encoding="f32"))
+    packed, _ = load_packed_model(tmp_path / "packed")
+    _, heldout = split_heldout(read_traces(tiny_traces, cfg.max_seq_len), cfg.heldout_fraction)
+    ids = torch.tensor([heldout[0].input_ids])
+    assert not torch.equal(packed(input_ids=ids).logits, saved(input_ids=ids).logits)  # rounding matters here
+    # What training selected and scored is exactly what the packed file computes.
+    assert simulated_acceptance(packed, heldout, 16, 0).mean_accepted_pooled == meta["best"]["sim_accept"]
+    assert heldout_loss(packed, heldout, 0) == pytest.approx(meta["best"]["heldout_loss"], rel=1e-5)
