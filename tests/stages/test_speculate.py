@@ -493,3 +493,23 @@ def test_self_draft_of_the_embedded_target_is_exact_and_drafts_what_it_generates
     gen = speculative_generate(target, CachedDraftModel(draft), prompt, 48, 8)
     assert gen.tokens == greedy_decode(target, [prompt], 48)[0].tokens
     assert gen.drafted >= 30 and gen.accepted / gen.drafted > 0.9, (gen.accepted, gen.drafted)
+
+
+def test_repeats_report_the_speedup_of_every_pass(tmp_path, tiny_qwen3_dir):
+    cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft="lookup", prompts=_prompt_file(tmp_path),
+                          out=tmp_path / "o", max_new_tokens=6, k=[2, 4], warmup=False, repeats=3)
+    assert run_speculate(cfg) == 0
+    report = json.loads((tmp_path / "o" / "speculate.json").read_text())
+    assert report["repeats"] == 3 and report["lossless"]
+    rows = report["per_prompt"]
+    assert sorted({r["repeat"] for r in rows}) == [0, 1, 2] and len(rows) == 3 * len({r["id"] for r in rows})
+    for k, row in report["drafters"]["lookup"]["per_k"].items():
+        passes = []
+        for rep in range(3):  # each pass against the baseline of the same pass, recomputed from the rows
+            mine = [r["runs"][f"lookup/k={k}"] for r in rows if r["repeat"] == rep]
+            base = [r["runs"]["baseline"] for r in rows if r["repeat"] == rep]
+            tokens = sum(r["new_tokens"] for r in rows if r["repeat"] == rep)
+            passes.append((tokens / sum(m["seconds"] for m in mine)) / (tokens / sum(b["seconds"] for b in base)))
+        assert row["speedup_repeats"] == pytest.approx(passes)
+        assert row["speedup_range"] == [min(passes), max(passes)] and min(passes) <= row["speedup_median"] <= max(passes)
+    assert "median" in (tmp_path / "o" / "speculate.md").read_text()

@@ -106,6 +106,8 @@ def _corpus_file(ctx: AuditContext, name: str, declared: str | None, loaded) -> 
     resolved = _corpus_stats(stats, name).get("resolved_path")
     if resolved:
         return Path(resolved)
+    if declared and name in loaded.resolved and any(c.name == name and c.kind == "packaged" for c in loaded.corpora):
+        return loaded.resolved[name]  # inside the installed package, wherever the manifest was
     if declared:
         original = lookup(stats, "provenance.manifest.resolved_path")
         base = Path(original).parent if original else ctx.paths.manifest.parent
@@ -164,7 +166,8 @@ def _no_eval_split(ctx: AuditContext, loaded, eval_sets: list[dict]) -> None:
             ctx.add("no eval split", "warn", f"{c.name}: the file name {path.name} looks like an evaluation "
                                              "split", [ctx.cite(ctx.paths.manifest, f"corpora[{i}].path")])
             continue
-        what = f"split {c.split!r}" if c.split else ("a local file" if c.kind == "local_file" else c.kind)
+        what = f"split {c.split!r}" if c.split else {"local_file": "a local file", "packaged": "a packaged corpus file"
+                                                     }.get(c.kind, c.kind)
         ctx.add("no eval split", "pass", f"{c.name}: {what}, not an evaluation split", cites)
 
 

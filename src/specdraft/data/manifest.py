@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specdraft.core.io import COMMIT_RE, SHA256_RE, sha256_file
+from specdraft.data.corpus import corpus_dir, corpus_manifest
 from specdraft.data.readers import READERS
 
 SCHEMA_VERSION = 1
@@ -59,7 +60,9 @@ class CorpusSpec(BaseModel):
 
     name: str = Field(description="unique corpus name; becomes the `source` of each prompt",
                       pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-    kind: Literal["hf_dataset", "local_file", "templates"] = Field(description="where the records come from")
+    kind: Literal["hf_dataset", "local_file", "packaged", "templates"] = Field(
+        description="where the records come from: a hub dataset, a local file, a file of the corpus shipped in the "
+                    "package (path relative to specdraft/assets/corpus), or the package's templates")
     role: Literal["train"] = Field(default="train", description="only training corpora are declared here")
     reader: str = Field(description=f"record reader: {', '.join(RECORD_READERS)} or {TEMPLATES_READER}")
     fields: dict[str, str] = Field(default_factory=dict,
@@ -91,7 +94,7 @@ class CorpusSpec(BaseModel):
         missing = []
         if self.kind == "hf_dataset":
             missing = [f for f in ("repo_id", "revision", "split") if getattr(self, f) is None]
-        elif self.kind == "local_file":
+        elif self.kind in ("local_file", "packaged"):
             missing = [f for f in ("path", "sha256", "format") if getattr(self, f) is None]
         if missing:
             raise ValueError(f"kind {self.kind!r} needs {', '.join(missing)}")
@@ -147,7 +150,7 @@ def templates_asset() -> Path:
 
 
 def load_manifest(path: str | os.PathLike | None = None, *, check_files: bool = True) -> LoadedManifest:
-    """Parse and validate a manifest file (None: the built-in default, templates only).
+    """Parse and validate a manifest file (None: the built-in default, the packaged corpus).
 
     Raises ManifestError naming the manifest and corpus for: a schema error, an unpinned hub revision,
     an evaluation split in a train corpus, an unknown reader, a missing local file, a sha256 mismatch
@@ -216,12 +219,23 @@ def _validate(raw: bytes, where: str, base: Path, mpath: Path | None, check_file
             raise ManifestError(f"{label}: sha256 {corpus.sha256!r} is not 64 lowercase hex digits")
         if corpus.kind == "templates" and corpus.path is None:
             loaded.resolved[corpus.name] = templates_asset()
+        elif corpus.kind == "packaged":
+            loaded.resolved[corpus.name] = _packaged_path(label, corpus.path)
         elif corpus.path is not None:
             p = Path(corpus.path).expanduser()
             loaded.resolved[corpus.name] = (p if p.is_absolute() else base / p).resolve()
         if check_files and corpus.name in loaded.resolved:
             _check_file(label, loaded.resolved[corpus.name], corpus.sha256)
     return loaded
+
+
+def _packaged_path(label: str, path: str) -> Path:
+    """A packaged corpus file: a relative path inside the package's corpus dir, never outside it."""
+    root = corpus_dir().resolve()
+    resolved = (root / path).resolve()
+    if Path(path).is_absolute() or root not in resolved.parents:
+        raise ManifestError(f"{label}: packaged path {path!r} must be relative to the package's corpus dir {root}")
+    return resolved
 
 
 def _check_file(label: str, path: Path, expected: str | None) -> None:
@@ -255,25 +269,6 @@ def _sha256_bytes(raw: bytes) -> str:
 
 
 def default_manifest_dict() -> dict[str, Any]:
-    """The built-in default (templates only): what `configs/manifest.default.json` holds, verbatim."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "name": "default",
-        "uses_eval_splits": False,
-        "eval_examples_used_as_targets": False,
-        "notes": ("What the embedded default (SmolLM2-135M-Instruct) trains on when ../shared is not there: "
-                  "prompts expanded from the handwritten templates shipped in the package "
-                  "(src/specdraft/assets/templates.json). No downloads, no third-party data."),
-        "corpora": [{
-            "name": "templates",
-            "kind": "templates",
-            "reader": "templates",
-            "license": "Apache-2.0",
-            "license_notes": "written for specdraft; same license as the project",
-            "count": None,
-            "seed": 0,
-            "generate": 4000,
-            "description": "handwritten templates across coding, explanation, writing, math, "
-                           "summarisation, translation and roleplay, expanded deterministically",
-        }],
-    }
+    """The built-in default: the prompt corpus shipped in the package (``data.corpus``), what
+    `configs/manifest.default.json` holds, verbatim."""
+    return corpus_manifest()

@@ -5,6 +5,7 @@ evenly, each output checked against plain greedy."""
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -82,14 +83,19 @@ def timed(fn):
 
 def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], prompts: Sequence[Prompt],
                           ks: Sequence[int], max_new_tokens: int, warmup: bool = True,
-                          progress: bool = False, clock: str = "wall") -> dict[str, Any]:
+                          progress: bool = False, clock: str = "wall", repeats: int = 1) -> dict[str, Any]:
     """Time plain greedy and every (drafter, k) on every prompt; check each output against greedy.
 
     Per prompt: ``greedy_decode`` at batch 1 gives the reference tokens (timed too, for information);
     then the baseline (the speculative loop with no drafts: one target forward per token) and every
     speculative run, in an order rotated from prompt to prompt so that machine noise spreads evenly.
+    With ``repeats`` > 1 the whole pass over the prompts runs that many times (rotated differently each
+    time): each (drafter, k) then also reports its speed-up in every pass against the baseline of the same
+    pass (``speedup_repeats``), their median and range -- how much of a difference is the machine's noise.
     Both clocks are recorded; ``clock`` picks the one behind ``tokens_per_s``, ``speedup`` and best k.
     """
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
     eos = eos_token_ids(target)
     baseline = ("baseline", NoDraft(), 1)
     runs = [baseline] + [(name, drafter, k) for name, drafter, _ in drafters for k in ks]
@@ -100,26 +106,32 @@ def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], pro
             speculative_generate(target, drafter, warm, min(8, max_new_tokens), k, eos)
     reference = SpeculationTotals()
     totals = {(name, k): SpeculationTotals() for name, _, k in runs}
+    per_pass = [{(name, k): SpeculationTotals() for name, _, k in runs} for _ in range(repeats)]
+    references: dict[int, Any] = {}
     rows, mismatches = [], []
-    iterator = prompts
-    if progress:
-        iterator = tqdm(prompts, desc="speculate", unit="prompt")
-    for i, prompt in enumerate(iterator):
-        (ref,), wall, cpu = timed(lambda: greedy_decode(target, [prompt.ids], max_new_tokens, eos_ids=eos))
-        reference.add(ref, wall, cpu)
+    order = [(r, i, p) for r in range(repeats) for i, p in enumerate(prompts)]
+    iterator = tqdm(order, desc="speculate", unit="prompt") if progress else order
+    for rep, i, prompt in iterator:
+        if i not in references:
+            (ref,), wall, cpu = timed(lambda: greedy_decode(target, [prompt.ids], max_new_tokens, eos_ids=eos))
+            reference.add(ref, wall, cpu)
+            references[i] = (ref, wall)
+        ref, ref_wall = references[i]
         row = {"id": prompt.id, "prompt_tokens": len(prompt.ids), "new_tokens": len(ref.tokens),
-               "finish_reason": ref.finish_reason, "greedy_decode_seconds": wall, "runs": {}}
-        shift = i % len(runs)
+               "finish_reason": ref.finish_reason, "greedy_decode_seconds": ref_wall, "runs": {}}
+        if repeats > 1:
+            row["repeat"] = rep
+        shift = (i + rep) % len(runs)
         for name, drafter, k in runs[shift:] + runs[:shift]:
             looked_up = getattr(drafter, "lookup_used", None)
             gen, wall, cpu = timed(lambda: speculative_generate(target, drafter, prompt.ids, max_new_tokens, k, eos))
-            tot = totals[(name, k)]
-            tot.add(gen, wall, cpu)
-            if looked_up is not None:
-                tot.lookup_steps = (tot.lookup_steps or 0) + drafter.lookup_used - looked_up
+            for tot in (totals[(name, k)], per_pass[rep][(name, k)]):
+                tot.add(gen, wall, cpu)
+                if looked_up is not None:
+                    tot.lookup_steps = (tot.lookup_steps or 0) + drafter.lookup_used - looked_up
             bad = first_mismatch(gen.tokens, ref.tokens)
             if bad is not None or gen.finish_reason != ref.finish_reason:
-                tot.mismatches += 1
+                totals[(name, k)].mismatches += 1
                 mismatches.append({"prompt": prompt.id, "drafter": name, "k": k, "first_mismatch": bad,
                                    "greedy_tokens": len(ref.tokens), "speculative_tokens": len(gen.tokens)})
                 log.error("MISMATCH prompt %s drafter %s k=%d: first differing token at %s", prompt.id, name, k, bad)
@@ -131,12 +143,18 @@ def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], pro
     results: dict[str, dict[str, Any]] = {}
     for name, _, _ in drafters:
         per_k = {str(k): totals[(name, k)].summary(base, clock) for k in ks}
+        if repeats > 1:
+            for k in ks:
+                passes = [p[(name, k)].summary(p[("baseline", 1)], clock)["speedup"] for p in per_pass]
+                per_k[str(k)].update(speedup_repeats=passes, speedup_median=statistics.median(passes),
+                                     speedup_range=[min(passes), max(passes)])
         best_k = max(ks, key=lambda k: per_k[str(k)]["tokens_per_s"])
         results[name] = {"per_k": per_k, "best_k": best_k, "best_tokens_per_s": per_k[str(best_k)]["tokens_per_s"],
                          "best_speedup": per_k[str(best_k)]["speedup"]}
     base_rates, ref_rates = base.rates(), reference.rates()
     return {
         "clock": clock,
+        "repeats": repeats,
         "baseline": {"what": "plain greedy in the same loop (no drafts: one target forward per token), "
                              "alternated with the speculative runs",
                      "tokens": base.tokens, "seconds": base.seconds, "cpu_seconds": base.cpu_seconds,

@@ -54,7 +54,7 @@ class PromptsConfig(StageConfig):
     """Build prompts.jsonl from a data manifest."""
 
     manifest: str | None = Field(
-        default=None, description="data manifest JSON; default: the built-in templates-only manifest "
+        default=None, description="data manifest JSON; default: the prompt corpus shipped in the package "
                                   "(the same as configs/manifest.default.json)")
     out: str = Field(description="output prompts.jsonl; prompts.stats.json, data_manifest.json and "
                                  "prompts.log are written beside it")
@@ -271,7 +271,7 @@ def _read_corpus(corpus: CorpusSpec, loaded: LoadedManifest, st: CorpusStats) ->
         st.read = len(pairs)
         return _keep_texts(st, [(i, text, None) for i, (_, text) in enumerate(pairs)])
 
-    if corpus.kind == "local_file":
+    if corpus.kind in ("local_file", "packaged"):
         path = loaded.resolved[corpus.name]
         st.source = {"path": corpus.path, "resolved_path": str(path), "sha256": corpus.sha256,
                      "format": corpus.format, "license": corpus.license}

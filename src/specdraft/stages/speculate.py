@@ -91,6 +91,8 @@ class SpeculateConfig(StageConfig):
                             "float32 (the target always runs as loaded)")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
     warmup: bool = Field(True, description="one short untimed run of every configuration first")
+    repeats: int = Field(1, ge=1, le=100, description="passes over the prompts (each drafter and k also reports its "
+                                                      "speed-up per pass: median and range)")
     note: str | None = Field(None, description="a line for speculate.md, e.g. what the draft is")
     hybrid_min_ngram: int | None = Field(
         DEFAULT_HYBRID_MIN_NGRAM, ge=1, le=4,
@@ -271,6 +273,14 @@ def speculate_markdown(report: dict[str, Any]) -> str:
         if shares:
             lines.append(f"{name}: share of steps drafted by prompt lookup instead of the model: "
                          + ", ".join(f"k={k} {v:.0%}" for k, v in shares.items()) + ".")
+    if report.get("repeats", 1) > 1:
+        lines += ["", f"Speed-up in each of the {report['repeats']} passes over the prompts (each against the plain "
+                      "greedy of the same pass): median and range, at each drafter's best k.", ""]
+        for name, res in report["drafters"].items():
+            row = res["per_k"][str(res["best_k"])]
+            low, high = row["speedup_range"]
+            lines.append(f"- {name} (k = {res['best_k']}): median {row['speedup_median']:.2f}x, range "
+                         f"{low:.2f}x to {high:.2f}x")
     for name, error in report.get("compile_errors", {}).items():
         lines.append(f"{name}: torch.compile failed ({error}); its steps ran eagerly.")
     if report.get("plot"):
@@ -309,7 +319,8 @@ def run_speculate(config: SpeculateConfig) -> int:
                  config.k, config.max_new_tokens)
         try:
             result = run_speculation_bench(target, drafters, prompts, config.k, config.max_new_tokens,
-                                           warmup=config.warmup, progress=True, clock=config.clock)
+                                           warmup=config.warmup, progress=True, clock=config.clock,
+                                           repeats=config.repeats)
         finally:
             for _, drafter, _ in drafters:
                 drafter.close()
