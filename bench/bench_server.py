@@ -14,7 +14,8 @@ Part 1 (in process, batch 1): for each compute format, the p50/p99 latency of on
 floor: (weight bytes read per token) x 16 / bandwidth.
 
 Part 2 (over HTTP): `specdraft serve` in a subprocess; 1, 8 and 32 closed-loop keep-alive clients for
---duration seconds each: requests/s, p50/p99, errors, batch sizes, and the server's RSS over the run.
+--duration seconds each: requests/s, p50/p99, errors, rows decoded together per iteration, and the server's
+RSS over the run.
 """
 
 from __future__ import annotations
@@ -24,15 +25,15 @@ import asyncio
 import json
 import logging
 import os
-import re
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from specdraft.server.process import ServerProcess
 
 log = logging.getLogger("specdraft.bench")
 
@@ -301,54 +302,6 @@ def ensure_proxy(args) -> Path:
 
 # ------------------------------------------------------------------------------------------ HTTP phase
 
-class ServerProcess:
-    """`specdraft serve` in a subprocess on port 0; the URL comes from its 'listening on' log line."""
-
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None):
-        self.argv = argv
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env=env)
-        self.lines: list[str] = []
-        self.url: str | None = None
-        self._found = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip())
-            m = re.search(r"listening on (http://\S+)", line)
-            if m and not self.url:
-                self.url = m.group(1)
-                self._found.set()
-        self._found.set()
-
-    def wait_ready(self, timeout: float = 600) -> str:
-        import httpx
-
-        if not self._found.wait(timeout) or not self.url:
-            raise RuntimeError("server did not start:\n" + "\n".join(self.lines[-30:]))
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + "\n".join(self.lines[-30:]))
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server never became healthy")
-
-    def stop(self, timeout: float = 60) -> int:
-        self.proc.terminate()
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
 async def _client(host: str, port: int, bodies: list[bytes], offset: int, stop_at: float,
                   latencies: list[float], errors: list[str]) -> None:
     """One closed-loop keep-alive client: send, read the whole response, repeat until stop_at."""
@@ -410,7 +363,8 @@ def _scrape(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
         for s in fam.samples:
-            if s.name in ("specdraft_batch_size_sum", "specdraft_batch_size_count", "specdraft_draft_tokens_total"):
+            if s.name in ("specdraft_iteration_rows_sum", "specdraft_iteration_rows_count",
+                          "specdraft_draft_tokens_total"):
                 out[s.name] = s.value
     return out
 
@@ -418,14 +372,16 @@ def _scrape(url: str) -> dict[str, float]:
 def http_bench(args, draft_dir: Path, points: list[dict[str, Any]]) -> dict[str, Any]:
     import psutil
 
-    argv = [sys.executable, "-m", "specdraft.cli", "serve", "--model-dir", str(draft_dir), "--port", "0",
-            "--compute", args.server_compute, "--max-batch-size", str(args.max_batch_size),
-            "--max-wait-ms", str(args.max_wait_ms)]
+    extra = ["--compute", args.server_compute, "--max-batch-size", str(args.max_batch_size),
+             "--max-wait-ms", str(args.max_wait_ms)]
     if args.server_threads:
-        argv += ["--threads", str(args.server_threads)]
-    server = ServerProcess(argv)
-    url = server.wait_ready()
-    log.info("server at %s (%s)", url, shlex.join(argv))
+        extra += ["--threads", str(args.server_threads)]
+    server = ServerProcess(draft_dir, Path(args.work) / "bench_server.log", extra)
+    ready, detail = server.wait_ready(600)
+    if not ready:
+        raise RuntimeError(f"server did not start: {detail}")
+    url = server.url
+    log.info("server at %s (%s)", url, shlex.join(server.argv))
     proc = psutil.Process(server.proc.pid)
     rss: list[tuple[float, float]] = []
     stop_sampling = threading.Event()
@@ -450,12 +406,12 @@ def http_bench(args, draft_dir: Path, points: list[dict[str, Any]]) -> dict[str,
             lat, errors, elapsed = run_clients(url, bodies, clients, args.duration)
             after = _scrape(url)
             window = [m for t, m in rss if t >= t0]
-            batches = after["specdraft_batch_size_count"] - before.get("specdraft_batch_size_count", 0)
+            batches = after["specdraft_iteration_rows_count"] - before.get("specdraft_iteration_rows_count", 0)
             level = {
                 "clients": clients, "seconds": elapsed, "requests": len(lat), "errors": len(errors),
                 "error_examples": sorted(set(errors))[:5], "rps": len(lat) / elapsed,
                 "p50_ms": 1000 * pct(lat, 50), "p99_ms": 1000 * pct(lat, 99), "max_ms": 1000 * max(lat or [0]),
-                "mean_batch": (after["specdraft_batch_size_sum"] - before.get("specdraft_batch_size_sum", 0))
+                "mean_batch": (after["specdraft_iteration_rows_sum"] - before.get("specdraft_iteration_rows_sum", 0))
                 / batches if batches else 0.0,
                 "rss_mb_start": window[0] if window else None, "rss_mb_end": window[-1] if window else None,
                 "rss_mb_max": max(window) if window else None,
@@ -469,11 +425,11 @@ def http_bench(args, draft_dir: Path, points: list[dict[str, Any]]) -> dict[str,
     base = levels[0]["rps"] if levels and levels[0]["clients"] == 1 else None
     for level in levels:
         level["rps_vs_1_client"] = level["rps"] / base if base else None
-    return {"server_argv": argv, "url": url, "levels": levels, "server_exit_code": rc,
+    return {"server_argv": server.argv, "url": url, "levels": levels, "server_exit_code": rc,
             "rss_mb": {"samples": len(rss), "first": rss[0][1] if rss else None, "last": rss[-1][1] if rss else None,
                        "max": max((m for _, m in rss), default=None),
                        "trace": [(round(t, 1), round(m, 1)) for t, m in rss[:: max(1, len(rss) // 200)]]},
-            "loaded_line": next((line for line in server.lines if "loaded qd4" in line), None)}
+            "loaded_line": next((line for line in server.log_text().splitlines() if "loaded qd4" in line), None)}
 
 
 # ---------------------------------------------------------------------------------------------- report

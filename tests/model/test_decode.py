@@ -5,7 +5,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdraft.model.decode import SlotDecoder, draft_batch, greedy_decode, iter_greedy, left_pad, naive_greedy, prefill_group, supports_slot_cache
+from specdraft.model.decode import (
+    SlotDecoder,
+    draft_batch,
+    greedy_decode,
+    iter_greedy,
+    left_pad,
+    naive_greedy,
+    prefill_group,
+    supports_slot_cache,
+)
 
 
 def _load(path):
@@ -163,10 +172,57 @@ def test_kv_cache_is_freed_when_the_step_ends_not_at_the_next_gc(tiny_qwen3_dir)
     from specdraft.model.decode import SlotCache
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
     gc.collect()
+    before = {id(o) for o in gc.get_objects() if type(o) is SlotCache}  # other tests' servers may hold theirs
     gc.disable()
     try:
         draft_batch(model, [[5, 9, 33, 70], [12, 8, 40]], 6)
-        alive = [o for o in gc.get_objects() if type(o) is SlotCache]
+        alive = [o for o in gc.get_objects() if type(o) is SlotCache and id(o) not in before]
     finally:
         gc.enable()
     assert alive == []
+
+
+def _drain(decoder, finished):
+    """Step the decoder until every live row has finished; {index: tokens}."""
+    out = {i: g.tokens for i, g in finished}
+    while decoder.n:
+        out.update({i: g.tokens for i, g in decoder.step()})
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 64])
+def test_a_prompt_prefilled_in_chunks_decodes_as_one_prefilled_whole(tiny_model_dir, chunk):
+    """Chunked prefill (a long prompt in pieces between decode steps) gives the same greedy tokens as one prefill,
+    whatever the piece size, and other rows' steps in between do not change either."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    rng = random.Random(chunk)
+    prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(45)]
+    other = [rng.randrange(3, model.config.vocab_size) for _ in range(7)]
+    whole = SlotDecoder(model, slots=2, capacity=64, max_new_tokens=8, eos=set(), row_attention=True)
+    want = _drain(whole, whole.admit([0], [prompt]))
+    pieces = SlotDecoder(model, slots=2, capacity=64, max_new_tokens=8, eos=set(), row_attention=True)
+    finished = pieces.admit([1], [other])  # a live row that steps while the long prompt is prefilled
+    got: dict = {}
+    for start in range(0, len(prompt), chunk):
+        assert pieces.free == 2 - pieces.n - (start > 0)  # the prompt waits in the top slot, not a live row
+        finished += pieces.prefill_chunk(0, prompt, start, chunk)
+        if pieces.n:
+            got.update({i: g.tokens for i, g in pieces.step()})
+    got.update(_drain(pieces, finished))
+    assert got[0] == want[0]
+    assert got[1] == _drain(*(lambda d: (d, d.admit([1], [other])))(
+        SlotDecoder(model, slots=1, capacity=64, max_new_tokens=8, eos=set(), row_attention=True)))[1]
+
+
+def test_released_rows_stop_and_free_their_slot(tiny_qwen3_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
+    decoder = SlotDecoder(model, slots=3, capacity=32, max_new_tokens=6, eos=set(), row_attention=True)
+    decoder.admit([0, 1], [[5, 6, 7], [8, 9, 10]])
+    decoder.prefill_chunk(2, list(range(3, 20)), 0, 4)
+    assert decoder.free == 0
+    decoder.release([0, 2])  # a live row and the one being prefilled in pieces
+    assert decoder.free == 2 and decoder.index == [1] and decoder.chunked is None
+    alone = SlotDecoder(model, slots=1, capacity=32, max_new_tokens=6, eos=set(), row_attention=True)
+    assert _drain(decoder, [])[1][-4:] == _drain(alone, alone.admit([1], [[8, 9, 10]]))[1][-4:]
+    with pytest.raises(ValueError, match="not the one being prefilled"):
+        decoder.prefill_chunk(2, list(range(3, 20)), 4, 4)

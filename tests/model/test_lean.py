@@ -6,18 +6,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specdraft.model.decode import SlotDecoder, draft_batch, greedy_decode, naive_greedy
-from specdraft.model.lean import LeanForward, lean_forward, lean_unsupported
 from specdraft.drafting.cached import CachedDraftModel
-from specdraft.model.decode import extend
+from specdraft.model.decode import SlotDecoder, draft_batch, extend, greedy_decode, naive_greedy
+from specdraft.model.lean import LeanForward, lean_forward, lean_unsupported
 
 
 @pytest.fixture(scope="module")
 def packed_dir(tmp_path_factory):
     """A packed tiny Qwen3 whose q/k/v widths (128 / 64 / 64) end on the int4 kernel's row blocks, so that
     the lean forward fuses them (the session's default tiny model, 64 / 32 / 32, cannot be fused)."""
-    from specdraft.stages.pack import PackConfig, run_pack
     from specdraft.model.tiny import build_tiny_model
+    from specdraft.stages.pack import PackConfig, run_pack
 
     src = build_tiny_model(tmp_path_factory.mktemp("tiny-wide") / "model", "qwen3", hidden=128, heads=2, kv_heads=1)
     out = tmp_path_factory.mktemp("packed") / "model"
@@ -138,8 +137,8 @@ def test_lean_forward_is_rebuilt_when_a_module_is_swapped(tiny_qwen3_dir):
 def test_int4_projections_are_fused_only_where_the_concatenated_codes_compute_the_same(tiny_qwen3_dir, tmp_path):
     """The default tiny model's k/v are 32 rows wide, off the kernel's 64-row blocks: concatenating their packed
     codes would compute something else, so the probe keeps them as three calls -- and the logits stay equal."""
-    from specdraft.stages.pack import PackConfig, run_pack
     from specdraft.server.engine import load_engine
+    from specdraft.stages.pack import PackConfig, run_pack
 
     run_pack(PackConfig(checkpoint=str(tiny_qwen3_dir), out=str(tmp_path / "model")))
     model = load_engine(tmp_path / "model", None, "int4").model
@@ -182,9 +181,9 @@ def test_a_row_in_a_batch_gets_the_logits_it_gets_alone_bit_for_bit(tmp_path):
     here differs on the development machine), and the head's rescoring avoids einsum's batched matmul.
     The attention has the shipped draft's shape (9 query / 3 key-value heads of 64). float32 and bfloat16
     weights cannot promise this: a matmul of 1 row and of 32 rows round differently."""
-    from specdraft.stages.pack import PackConfig, run_pack
-    from specdraft.server.engine import load_engine
     from specdraft.model.tiny import build_tiny_model
+    from specdraft.server.engine import load_engine
+    from specdraft.stages.pack import PackConfig, run_pack
 
     src = build_tiny_model(tmp_path / "float", "qwen3", hidden=576, heads=9, kv_heads=3)
     run_pack(PackConfig(checkpoint=str(src), out=str(tmp_path / "packed")))
@@ -234,10 +233,10 @@ def test_compiled_draft_steps_stay_close_to_eager_and_keep_speculation_lossless(
     stay eager), logits within rounding of the eager forward, and speculation with it equals plain greedy."""
     from torch._dynamo.utils import counters
 
+    from specdraft.drafting.speculative import speculative_generate
     from specdraft.model.lean import CompiledSteps
     from specdraft.model.loader import load_packed_model
     from specdraft.server.engine import load_engine
-    from specdraft.drafting.speculative import speculative_generate
 
     torch._dynamo.reset()  # other tests' compiled drafts must not use up dynamo's per-function recompile limit
     graphs = counters["stats"]["unique_graphs"]

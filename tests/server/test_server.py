@@ -1,4 +1,4 @@
-"""The draft server: batcher units and the HTTP API end to end over real sockets.
+"""The draft server: the HTTP API end to end over real sockets.
 
 A `specdraft serve` subprocess on a packed tiny model (port 0, found from its log, ready when /health
 says 200) serves the end-to-end tests; in-process servers with fake engines cover overload, failing
@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -22,39 +23,17 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdraft.server.app import bind_socket, create_app, make_server, trimmed, url_of
-from specdraft.server.batcher import Batcher, BatcherClosedError, BatchFailedError, QueueFullError
+from fakes import FakeEngine
+from specdraft.server.app import bind_socket, create_app, every, make_server, url_of
 from specdraft.server.config import ServeConfig
 from specdraft.server.engine import heap_trimmer, load_engine
+from specdraft.server.process import ServerProcess
 
 START_TIMEOUT = 120
 REPO = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------------- helpers
-
-class FakeEngine:
-    """Duck-typed engine: draft row i = [sum(context) + k for k in range(n)] (mod vocab)."""
-
-    name, compute, vocab_size, max_positions = "fake", "float32", 1000, 272
-
-    def __init__(self, delay: float = 0.0, fail_when=None, gate: threading.Event | None = None):
-        self.delay, self.fail_when, self.gate, self.calls = delay, fail_when, gate, []
-
-    def draft(self, contexts, n):
-        self.calls.append(len(contexts))
-        if self.gate is not None:
-            self.gate.wait(90)
-        if self.delay:
-            time.sleep(self.delay)
-        if self.fail_when is not None and any(self.fail_when(c) for c in contexts):
-            raise RuntimeError("boom")
-        return [[(sum(c) + k) % self.vocab_size for k in range(n)] for c in contexts]
-
-    @staticmethod
-    def expected(context, n):
-        return [(sum(context) + k) % FakeEngine.vocab_size for k in range(n)]
-
 
 class ThreadServer:
     """uvicorn in a thread on a pre-bound port-0 socket (the app's lifespan runs as in `serve`)."""
@@ -113,83 +92,6 @@ def assert_error(r: httpx.Response, status: int, field: str, reason: str = "") -
     return body
 
 
-# ----------------------------------------------------------------------------------------- batcher
-
-
-# --------------------------------------------------------------------------------------- int4 layer
-
-
-# ------------------------------------------------------------------------------------------- batcher
-
-def test_batcher_batches_and_answers_each_request_with_its_row():
-    engine = FakeEngine(delay=0.05)
-    b = Batcher(engine.draft, max_batch_size=8, max_wait_s=0.05).start()
-    try:
-        contexts = [[i, i + 1] for i in range(12)]
-        futures = [b.submit(c, 1 + i % 5) for i, c in enumerate(contexts)]
-        rows = [f.result(10) for f in futures]
-    finally:
-        b.close()
-    assert rows == [FakeEngine.expected(c, 1 + i % 5) for i, c in enumerate(contexts)]
-    assert max(engine.calls) > 1 and sum(engine.calls) == 12 and max(engine.calls) <= 8
-
-
-def test_batcher_failed_batch_fails_its_requests_and_goes_on():
-    engine = FakeEngine(fail_when=lambda c: c == [666])
-    b = Batcher(engine.draft, max_batch_size=4, max_wait_s=0.05).start()
-    try:
-        bad = [b.submit([666], 3), b.submit([1], 3)]  # same batch as the poison row
-        for f in bad:
-            with pytest.raises(BatchFailedError, match="boom"):
-                f.result(10)
-        assert b.submit([2, 3], 4).result(10) == FakeEngine.expected([2, 3], 4)
-    finally:
-        b.close()
-
-
-def test_batcher_asserts_one_output_per_input():
-    b = Batcher(lambda contexts, n: [[0] * n], max_batch_size=4, max_wait_s=0.05).start()
-    try:
-        futures = [b.submit([1], 2), b.submit([2], 2)]
-        for f in futures:
-            with pytest.raises(BatchFailedError, match="1 rows for 2 requests"):
-                f.result(10)
-    finally:
-        b.close()
-
-
-def test_batcher_full_queue_is_refused_at_once_and_close_drains():
-    gate = threading.Event()
-    engine = FakeEngine(gate=gate)
-    b = Batcher(engine.draft, max_batch_size=1, max_wait_s=0, max_queue=2).start()
-    first = b.submit([1], 1)
-    deadline = time.time() + 30
-    while not engine.calls:  # the worker holds the first request inside the (blocked) step
-        assert time.time() < deadline
-        time.sleep(0.01)
-    queued = [b.submit([2], 1), b.submit([3], 1)]
-    t = time.perf_counter()
-    with pytest.raises(QueueFullError):
-        b.submit([4], 1)
-    assert time.perf_counter() - t < 0.5
-    gate.set()
-    b.close(drain=True, timeout=10)
-    assert [f.result(0) for f in [first, *queued]] == [[1], [2], [3]]
-    with pytest.raises(BatcherClosedError):
-        b.submit([5], 1)
-
-
-def test_batcher_splits_by_token_budget_in_length_order():
-    engine = FakeEngine(delay=0.05)
-    b = Batcher(engine.draft, max_batch_size=8, max_wait_s=0.1, max_batch_tokens=40).start()
-    try:
-        futures = [b.submit([1] * length, 4) for length in (16, 1, 16, 2)]
-        assert [len(f.result(10)) for f in futures] == [4, 4, 4, 4]
-    finally:
-        b.close()
-    assert sum(engine.calls) == 4 and max(engine.calls) <= 2  # (16 + 4) x 2 rows = 40 tokens per step
-
-
 # ----------------------------------------------------------------------------- end to end (subprocess)
 
 @pytest.fixture(scope="module")
@@ -233,7 +135,7 @@ def live(packed_dir):
         rc = proc.wait(30)
         pumper.join(10)
     assert rc == 0, "\n".join(lines[-20:])
-    assert any("batcher drained and stopped" in x for x in lines), lines[-10:]
+    assert any("scheduler stopped after" in x for x in lines), lines[-10:]
 
 
 def test_serve_logs_the_loader_line_and_health(live, packed_dir):
@@ -271,12 +173,14 @@ def test_concurrent_requests_get_their_single_request_drafts(live, packed_dir):
     assert [s["draft_ids"] for s in single[:4]] == [
         engine.draft([r["token_ids"]], r.get("num_tokens", 16))[0] for r in requests[:4]]
     after = metric_samples(url)
-    key = ("specdraft_batch_size_bucket", (("le", "1.0"),))
-    batches = after[("specdraft_batch_size_count", ())] - before[("specdraft_batch_size_count", ())]
+    key = ("specdraft_iteration_rows_bucket", (("le", "1.0"),))
+    iterations = after[("specdraft_iteration_rows_count", ())] - before[("specdraft_iteration_rows_count", ())]
     singles = after[key] - before[key]
-    assert batches - singles > 0, "no batch of more than one request"
-    assert after[("specdraft_batch_size_sum", ())] - before[("specdraft_batch_size_sum", ())] == 48
-    assert after[("specdraft_draft_tokens_total", ())] > before[("specdraft_draft_tokens_total", ())]
+    assert iterations - singles > 0, "no iteration decoded more than one request"
+    answered = ("specdraft_draft_outcomes_total", (("outcome", "answered"),))
+    assert after[answered] - before[answered] == 2 * len(requests)  # the two concurrent rounds
+    tokens = after[("specdraft_draft_tokens_total", ())] - before[("specdraft_draft_tokens_total", ())]
+    assert tokens == 2 * sum(r.get("num_tokens", 16) for r in requests)
 
 
 def _vocab_and_limit(url):
@@ -457,16 +361,53 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(live):
 
 def test_schemathesis_would_catch_a_5xx_on_long_contexts():
     """The check above can fail: a server that breaks on contexts over 100 tokens is caught."""
-    class Fragile(FakeEngine):
-        def draft(self, contexts, n):
-            if any(len(c) > 100 for c in contexts):
-                raise RuntimeError("fragile")
-            return super().draft(contexts, n)
-
     cfg = fake_config()
-    with ThreadServer(create_app(cfg, Fragile()), cfg) as srv:
+    with ThreadServer(create_app(cfg, FakeEngine(fail_when=lambda c: len(c) > 100)), cfg) as srv:
         failures, _ = run_schemathesis(srv.url, max_examples=10)
     assert any("not_a_server_error" in f for f in failures), failures
+
+
+def test_sigterm_with_requests_in_every_state_exits_0_within_the_shutdown_timeout(packed_dir, tmp_path):
+    """Over a real socket: SIGTERM while requests are running, queued, long (prefilled in chunks), abandoned by
+    their clients and timing out. Each request the server had begun to read gets an answer (200, or 503 when
+    there was no time left); a connection it had not begun to read is closed, uvicorn's refusal (the client sees
+    a refused, reset or closed connection); the server exits 0 within --shutdown-timeout-s, never by an abort."""
+    server = ServerProcess(packed_dir, tmp_path / "serve.log",
+                           ["--threads", "1", "--max-batch-size", "2", "--long-context-tokens", "32",
+                            "--prefill-chunk-tokens", "8", "--request-timeout-s", "3", "--shutdown-timeout-s", "5"])
+    try:
+        ok, detail = server.wait_ready(START_TIMEOUT)
+        assert ok, detail
+        rng = random.Random(7)
+        vocab = _vocab_and_limit(server.url)[0]
+        bodies = ([{"token_ids": [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 30))]} for _ in range(30)]
+                  + [{"token_ids": [rng.randrange(3, vocab) for _ in range(200)]} for _ in range(6)])
+
+        def send(i_body):
+            i, body = i_body
+            try:  # every fifth client gives up at once: its request is abandoned
+                return httpx.post(server.url + "/draft", json=body, timeout=0.05 if i % 5 == 0 else 60).status_code
+            except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+                return "refused"
+            except httpx.TimeoutException:
+                return "client gave up" if i % 5 == 0 else "no answer within 60 s"
+
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            results = pool.map(send, enumerate(bodies))
+            time.sleep(0.5)  # requests in flight, queued and abandoned
+            t = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            code = server.proc.wait(30)
+            seconds = time.monotonic() - t
+            results = list(results)
+    finally:
+        server.stop()
+    log = server.log_text()
+    assert code == 0 and seconds < 5 + 5, (code, seconds, log[-2000:])
+    assert "terminate called" not in log and "Traceback" not in log
+    assert "scheduler stopped after" in log
+    assert set(results) <= {200, 503, "refused", "client gave up"}, results
+    assert results.count(200) >= 1, results
 
 
 # ------------------------------------------------------------------------- in process, fake engines
@@ -492,30 +433,37 @@ def test_queue_full_is_503_with_retry_after_not_a_hang():
             r = httpx.post(srv.url + "/draft", json={"token_ids": [3]}, timeout=30)
             assert time.perf_counter() - t < 5  # refused at once, not after the 30 s request timeout
             assert r.status_code == 503 and r.json()["error"] == "queue_full" and r.headers["retry-after"] == "1"
+            refused = ("specdraft_draft_outcomes_total", (("outcome", "refused_queue_full"),))
+            assert metric_samples(srv.url)[refused] == 1
         finally:
             gate.set()  # also when an assertion failed, so the held requests end
         assert [h.result().status_code for h in held] == [200, 200]
 
 
-def test_heap_is_trimmed_once_loaded_and_after_every_step_also_a_failed_one(monkeypatch):
+def test_heap_is_trimmed_once_loaded_and_then_after_model_work(monkeypatch):
     import specdraft.server.app as app_mod
     trims = []
     monkeypatch.setattr(app_mod, "heap_trimmer", lambda: lambda: trims.append(1))
     engine = FakeEngine(fail_when=lambda c: c == [13])
-    for trim_heap, expected in ((True, 3), (False, 0)):
+    for trim_heap in (True, False):
         trims.clear()
         cfg = fake_config(max_wait_ms=0, trim_heap=trim_heap)
         with ThreadServer(create_app(cfg, engine), cfg) as srv:
             assert len(trims) == (1 if trim_heap else 0)  # what loading freed, before any request
+            time.sleep(1.1)  # at most one trim a second after iterations
             assert httpx.post(srv.url + "/draft", json={"token_ids": [1, 2], "num_tokens": 2}).status_code == 200
-            assert httpx.post(srv.url + "/draft", json={"token_ids": [13]}).status_code == 500
-        assert len(trims) == expected
+            assert httpx.post(srv.url + "/draft", json={"token_ids": [13]}).status_code == 500  # also a failed one
+        assert len(trims) == (2 if trim_heap else 0)
 
 
-def test_trimmed_step_returns_the_steps_rows_and_glibc_trim_runs():
+def test_every_runs_at_most_once_per_period_and_glibc_trim_runs():
     calls = []
-    step = trimmed(lambda contexts, n: [[n] * n for _ in contexts], lambda: calls.append("trim"))
-    assert step([[1], [2]], 3) == [[3, 3, 3], [3, 3, 3]] and calls == ["trim"]
+    run = every(0.2, lambda: calls.append(time.monotonic()))
+    for _ in range(5):
+        run()
+    time.sleep(0.25)
+    run()
+    assert len(calls) == 2
     trim = heap_trimmer()
     if sys.platform.startswith("linux"):  # this project's machines: glibc
         assert trim is not None and trim() in (0, 1)
@@ -531,7 +479,9 @@ def test_failed_batch_is_an_error_for_its_requests_and_the_server_goes_on():
         assert r.status_code == 500 and r.json()["error"] == "draft_failed"
         r = httpx.post(srv.url + "/draft", json={"token_ids": [1, 2], "num_tokens": 3})
         assert r.status_code == 200 and r.json() == {"draft_ids": [3, 4, 5], "model": "fake"}
-        assert metric_samples(srv.url)[("specdraft_batch_failures_total", ())] == 1
+        samples = metric_samples(srv.url)
+        assert samples[("specdraft_iteration_failures_total", ())] == 1
+        assert samples[("specdraft_draft_outcomes_total", (("outcome", "failed"),))] == 1
 
 
 def test_health_is_503_until_the_weights_are_loaded(monkeypatch, packed_dir):
@@ -577,20 +527,90 @@ def test_failed_load_reports_failed_health(tmp_path, packed_dir):
 
 
 def test_graceful_shutdown_answers_requests_in_flight():
-    engine = FakeEngine(delay=1.0)
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate, delay=0.1)
     cfg = fake_config(max_batch_size=2, max_wait_ms=0)
     srv = ThreadServer(create_app(cfg, engine), cfg).__enter__()
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [i]}, timeout=30)
+        futures = [pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [i], "num_tokens": 1}, timeout=30)
                    for i in range(4)]
-        # In flight = accepted by the server: two in the model step, two waiting in the queue.
+        # In flight = accepted by the server: one or two held in the model (the gate), the rest queued.
         deadline = time.time() + 60
         while not (engine.calls and metric_samples(srv.url)[("specdraft_queue_depth", ())] >= 2):
             assert time.time() < deadline
             time.sleep(0.01)
-        srv.__exit__(None, None, None)  # SIGTERM's path: stop accepting, finish in-flight, drain
+        stopper = threading.Thread(target=srv.__exit__, args=(None, None, None))
+        stopper.start()  # SIGTERM's path: stop accepting, finish in-flight, drain
+        time.sleep(0.2)
+        gate.set()
+        stopper.join(60)
         assert [f.result().status_code for f in futures] == [200] * 4
     assert not srv.thread.is_alive()
+
+
+def test_a_client_that_goes_away_cancels_its_request_before_it_is_computed():
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    cfg = fake_config(max_batch_size=1, max_wait_ms=0)
+    with ThreadServer(create_app(cfg, engine), cfg) as srv, ThreadPoolExecutor(1) as pool:
+        try:
+            held = pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [1], "num_tokens": 1}, timeout=60)
+            deadline = time.time() + 60
+            while not engine.calls:
+                assert time.time() < deadline
+                time.sleep(0.01)
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+                httpx.post(srv.url + "/draft", json={"token_ids": [2, 2, 2], "num_tokens": 1}, timeout=0.3)
+            cancelled = ("specdraft_draft_outcomes_total", (("outcome", "cancelled"),))
+            while metric_samples(srv.url).get(cancelled, 0) < 1:  # the handler saw the disconnect
+                assert time.time() < deadline
+                time.sleep(0.02)
+        finally:
+            gate.set()
+        assert held.result().status_code == 200
+        samples = metric_samples(srv.url)
+        assert samples[("specdraft_dropped_total", (("outcome", "cancelled"), ("where", "queued")))] == 1
+    assert all(lengths != [3] for _, lengths in engine.calls)  # its 3-token context never reached the model
+
+
+def test_a_deadline_passed_in_the_queue_is_a_503_without_compute():
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    cfg = fake_config(max_batch_size=1, max_wait_ms=0, request_timeout_s=0.5)
+    with ThreadServer(create_app(cfg, engine), cfg) as srv, ThreadPoolExecutor(1) as pool:
+        try:
+            held = pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [1], "num_tokens": 1}, timeout=60)
+            deadline = time.time() + 60
+            while not engine.calls:
+                assert time.time() < deadline
+                time.sleep(0.01)
+            t = time.perf_counter()
+            r = httpx.post(srv.url + "/draft", json={"token_ids": [2, 2, 2], "num_tokens": 1}, timeout=30)
+            assert r.status_code == 503 and r.json()["error"] == "timeout" and time.perf_counter() - t < 5
+        finally:
+            gate.set()
+        assert held.result().status_code in (200, 503)  # the held one's own 0.5 s may have passed too
+        samples = metric_samples(srv.url)
+        assert samples[("specdraft_draft_outcomes_total", (("outcome", "timed_out"),))] >= 1
+    assert all(lengths != [3] for _, lengths in engine.calls)
+
+
+def test_overload_is_refused_at_once_with_retry_after():
+    engine = FakeEngine(delay=0.1)
+    cfg = fake_config(max_wait_ms=0, request_timeout_s=1.0)
+    with ThreadServer(create_app(cfg, engine), cfg) as srv:
+        # 16 tokens at >= 0.1 s an iteration cannot fit in 1 s: the first, with no costs measured yet, is taken
+        # and times out; the next is refused before any work
+        assert httpx.post(srv.url + "/draft", json={"token_ids": [1]}, timeout=30).status_code == 503
+        t = time.perf_counter()
+        r = httpx.post(srv.url + "/draft", json={"token_ids": [2]}, timeout=30)
+        assert time.perf_counter() - t < 0.5
+        assert r.status_code == 503 and r.json()["error"] == "overloaded" and int(r.headers["retry-after"]) >= 1
+        assert httpx.post(srv.url + "/draft", json={"token_ids": [3], "num_tokens": 2}, timeout=30).status_code == 200
+        samples = metric_samples(srv.url)
+        assert samples[("specdraft_draft_outcomes_total", (("outcome", "refused_overload"),))] == 1
+        assert samples[("specdraft_request_seconds_count", (("route", "/draft"),))] == 3
+        assert samples[("process_resident_memory_bytes", ())] > 0
 
 
 def test_config_limits_are_checked():

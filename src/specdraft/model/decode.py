@@ -236,6 +236,11 @@ class SlotCache(Cache):
         """The next forward runs ``num_rows`` left-padded prompts into slots ``first_row...``, columns 0..W-1."""
         self._plan = ("prefill", first_row, first_row + num_rows)
 
+    def plan_extend(self, row: int, start: int) -> None:
+        """The next forward feeds slot ``row`` the next piece of its prompt, written from column ``start``: it
+        attends to the slot's earlier columns and causally within the piece (a long prompt prefilled in chunks)."""
+        self._plan = ("extend", row, start)
+
     def plan_step(self, num_rows: int, write_cols: torch.Tensor, width: int) -> None:
         """The next forward feeds one token to each of rows ``0..num_rows-1``, written at ``write_cols``."""
         rows = torch.arange(num_rows, device=write_cols.device)
@@ -253,6 +258,12 @@ class SlotCache(Cache):
             layer.keys[r0:r1, :, :width] = k
             layer.values[r0:r1, :, :width] = v
             return k, v  # a prompt attends only to itself
+        if kind == "extend":
+            _, row, start = self._plan
+            end = start + k.shape[2]
+            layer.keys[row, :, start:end] = k[0]
+            layer.values[row, :, start:end] = v[0]
+            return layer.keys[row:row + 1, :, :end], layer.values[row:row + 1, :, :end]
         if kind == "step":
             _, rows, cols, width = self._plan
             layer.keys[rows, :, cols] = k[:, :, 0]  # [n, kv_heads, head_dim] at (row, its column)
@@ -274,7 +285,7 @@ class SlotCache(Cache):
                 layer.values[d, :, :width] = layer.values[s, :, :width]
 
     def nbytes(self) -> int:
-        return sum(l.keys.numel() * l.keys.element_size() * 2 for l in self.layers if l.is_initialized)
+        return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in self.layers if layer.is_initialized)
 
 
 def supports_slot_cache(model) -> bool:
@@ -290,10 +301,12 @@ def supports_slot_cache(model) -> bool:
 
 
 class SlotDecoder:
-    """Continuous greedy batching over a :class:`SlotCache` (the engine behind ``iter_greedy``).
+    """Continuous greedy batching over a :class:`SlotCache` (the engine behind ``iter_greedy`` and the server).
 
     ``admit`` prefills prompts into free slots and ``step`` decodes one token for every live row; both
-    return the rows that finished, which leave the batch at once.
+    return the rows that finished, which leave the batch at once. ``prefill_chunk`` prefills one long prompt a
+    piece at a time, between steps of the live rows (it waits in the top slot until its last piece), and
+    ``release`` drops rows whose answer nobody wants any more.
     """
 
     def __init__(self, model, slots: int, capacity: int, max_new_tokens: int, eos: set[int],
@@ -312,6 +325,7 @@ class SlotDecoder:
         self.cache = SlotCache(text.num_hidden_layers, slots, capacity)
         self.slots, self.capacity = slots, capacity
         self.n = 0  # live rows: slots 0..n-1
+        self.chunked: tuple[int, int] | None = None  # (caller index, slot) of the prompt prefilled in pieces
         self.index: list[int] = []  # caller's index of each live row
         self.tokens: list[list[int]] = []  # generated so far, per live row
         self.start = torch.zeros(slots, dtype=torch.long, device=self.device)  # first real column
@@ -322,7 +336,7 @@ class SlotDecoder:
 
     @property
     def free(self) -> int:
-        return self.slots - self.n
+        return self.slots - self.n - (self.chunked is not None)
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """Boolean [B, 1, Q, K] for sdpa; an additive float mask for eager attention."""
@@ -365,6 +379,55 @@ class SlotDecoder:
         self.tokens.extend([] for _ in range(m))
         self.n += m
         return self._record(first.tolist(), range(r0, r0 + m))
+
+    @torch.inference_mode()
+    def prefill_chunk(self, index: int, prompt: Sequence[int], start: int, size: int) -> list[tuple[int, Generation]]:
+        """Prefill ``prompt[start:start + size]`` of one long prompt, which waits in the top slot meanwhile (one at a
+        time). Its last piece makes the row live, as ``admit`` does, and returns it if it already finished."""
+        total, end = len(prompt), min(start + size, len(prompt))
+        if start == 0:
+            if self.chunked is not None:
+                raise ValueError("prefill_chunk: another prompt is being prefilled in pieces")
+            if self.free < 1:
+                raise ValueError("prefill_chunk: no free slot")
+            if total + self.max_new_tokens - 1 > self.capacity:
+                raise ValueError(f"prefill_chunk: prompt of {total} tokens needs a capacity of "
+                                 f"{total + self.max_new_tokens - 1} > {self.capacity}")
+            self.chunked = (index, self.slots - 1)
+        elif self.chunked is None or self.chunked[0] != index:
+            raise ValueError(f"prefill_chunk: prompt {index} is not the one being prefilled in pieces")
+        if not start < end:
+            raise ValueError(f"prefill_chunk: empty piece [{start}, {end}) of a {total}-token prompt")
+        slot = self.chunked[1]
+        positions = torch.arange(start, end, device=self.device)[None]  # [1, size]
+        allowed = self.columns[:end][None, :] <= positions[0, :, None]  # [size, end]: earlier columns and causal
+        self.cache.plan_extend(slot, start)
+        out = self.model(input_ids=torch.tensor([list(prompt[start:end])], device=self.device),
+                         attention_mask=self._mask(allowed[None, None]), position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **cache_kwargs(self.model, self.cache))
+        self.cache.end_forward()
+        if end < total:
+            return []
+        self.chunked = None
+        r = self.n
+        if slot != r:
+            self.cache.move_rows([slot], [r], total)
+        first = out.logits[:, -1, :].argmax(-1)  # [1]
+        self.start[r], self.end[r], self.position[r], self.last[r] = 0, total, total, first[0]
+        self.index.append(index)
+        self.tokens.append([])
+        self.n += 1
+        return self._record(first.tolist(), [r])
+
+    @torch.inference_mode()
+    def release(self, indices: Iterable[int]) -> None:
+        """Drop these rows (live, or the one being prefilled in pieces) without finishing them."""
+        wanted = set(indices)
+        if self.chunked is not None and self.chunked[0] in wanted:
+            self.chunked = None
+        rows = [r for r in range(self.n) if self.index[r] in wanted]
+        if rows:
+            self._release(rows)
 
     @torch.inference_mode()
     def step(self) -> list[tuple[int, Generation]]:

@@ -1,14 +1,16 @@
 """The HTTP layer: FastAPI app, edge checks, and `specdraft serve` (uvicorn on a pre-bound socket).
 
-Handlers only validate, enqueue and await (LitServe's split): the model runs in the batcher's worker
-thread, so the event loop never waits on torch. Every error is JSON ``{"error", "message", "details":
-[{"field", "reason"}]}``; bad input is always a 4xx and never reaches the queue.
+Handlers only validate, enqueue and await (LitServe's split): the model runs in the scheduler's worker
+thread, so the event loop never waits on torch. A handler whose client goes away, or whose deadline passes,
+cancels its request, and the scheduler drops it before computing anything more for it. Every error is JSON
+``{"error", "message", "details": [{"field", "reason"}]}``; bad input is always a 4xx and never reaches the queue.
 """
 
 # No `from __future__ import annotations` here: FastAPI must see the per-app DraftRequest class itself.
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -28,10 +30,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdraft import __version__
 from specdraft.model.loader import ModelLoadError
 from specdraft.model.specs import load_config
-from specdraft.server.batcher import Batcher, BatcherClosedError, BatchFailedError, QueueFullError
 from specdraft.server.config import ServeConfig
 from specdraft.server.engine import heap_trimmer, load_engine
 from specdraft.server.metrics import ServerMetrics
+from specdraft.server.scheduler import (
+    ANSWERED,
+    CANCELLED,
+    FAILED,
+    REFUSED_OVERLOAD,
+    REFUSED_QUEUE_FULL,
+    REFUSED_SHUTDOWN,
+    TIMED_OUT,
+    DraftFailedError,
+    Overloaded,
+    QueueFullError,
+    Scheduler,
+    ShuttingDownError,
+    retry_after_header,
+)
 from specdraft.server.schema import (
     DraftResponse,
     ErrorDetail,
@@ -65,48 +81,60 @@ def error_response(status: int, error: str, message: str, details: list[ErrorDet
 # ------------------------------------------------------------------------------------------------ state
 
 class ServerState:
-    """What the handlers share: the engine and batcher once loaded, the status, the metrics."""
+    """What the handlers share: the engine and scheduler once loaded, the status, the metrics."""
 
-    def __init__(self, config: ServeConfig, metrics: ServerMetrics):
-        self.config, self.metrics = config, metrics
+    def __init__(self, config: ServeConfig, metrics: ServerMetrics, max_context: int):
+        self.config, self.metrics, self.max_context = config, metrics, max_context
         self.engine: Any = None
-        self.batcher: Batcher | None = None
+        self.scheduler: Scheduler | None = None
+        self.loader: threading.Thread | None = None
         self.status = "loading"
         self.error: str | None = None
 
     def start(self, engine: Any) -> None:
         cfg = self.config
-        step = engine.draft
+        after_iteration = None
         if cfg.trim_heap:
             trim = heap_trimmer()
             if trim is not None:
-                # loading freed the float32 model it started from: memory glibc would otherwise keep
-                trim()
-                step = trimmed(engine.draft, trim)
+                trim()  # loading freed the float32 model it started from: memory glibc would otherwise keep
+                after_iteration = every(1.0, trim)
             else:
                 log.info("trim_heap: no glibc malloc_trim here; freed memory stays with the allocator")
-        self.batcher = Batcher(step, max_batch_size=cfg.max_batch_size, max_wait_s=cfg.max_wait_ms / 1000,
-                               max_queue=cfg.max_queue, max_batch_tokens=cfg.max_batch_tokens,
-                               observer=self.metrics).start()
+        short_context = min(cfg.long_context_tokens, self.max_context)
+        short = engine.lane(cfg.max_batch_size, short_context + cfg.num_draft, cfg.num_draft)
+        long = (engine.lane(cfg.long_slots, self.max_context + cfg.num_draft, cfg.num_draft)
+                if self.max_context > short_context else None)
+        self.scheduler = Scheduler(short, long, num_draft=cfg.num_draft, long_context_tokens=short_context,
+                                   prefill_tokens=cfg.prefill_tokens, chunk_tokens=cfg.prefill_chunk_tokens,
+                                   long_share=cfg.long_share, max_queue=cfg.max_queue,
+                                   max_wait_s=cfg.max_wait_ms / 1000, observer=self.metrics,
+                                   after_iteration=after_iteration).start()
         self.engine = engine
         self.status = "ok"
         self.metrics.ready.set(1)
 
-    def stop(self, timeout: float | None) -> None:
+    def stop(self, timeout: float) -> None:
+        """Answer what can be answered within ``timeout``, refuse the rest, and wait for the worker threads (a
+        thread still inside torch at interpreter exit aborts the process)."""
         self.status = "stopping"
         self.metrics.ready.set(0)
-        if self.batcher is not None:
-            self.batcher.close(drain=True, timeout=timeout)
-            log.info("batcher drained and stopped after %d batches", self.batcher.batches)
+        if self.loader is not None:
+            self.loader.join(timeout)
+        if self.scheduler is not None:
+            self.scheduler.close(timeout)
+            log.info("scheduler stopped after %d iterations", self.scheduler.iterations)
 
 
-def trimmed(step: Callable[[list[list[int]], int], list[list[int]]], trim: Callable[[], Any]):
-    """``step`` followed by ``trim`` (also when the step fails: its buffers were freed all the same)."""
-    def run(contexts: list[list[int]], n: int) -> list[list[int]]:
-        try:
-            return step(contexts, n)
-        finally:
-            trim()
+def every(seconds: float, fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn`` at most once per ``seconds``, however often the returned function is called."""
+    last = [0.0]
+
+    def run() -> None:
+        now = time.monotonic()
+        if now - last[0] >= seconds:
+            last[0] = now
+            fn()
     return run
 
 
@@ -142,7 +170,7 @@ def _model_facts(config: ServeConfig) -> tuple[int, int | None]:
 
 def create_app(config: ServeConfig, engine: Any = None,
                on_load_failed: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The ASGI app. With ``engine`` (anything with ``draft(contexts, n)``, ``name``, ``vocab_size``,
+    """The ASGI app. With ``engine`` (anything with ``lane(slots, capacity, num_draft)``, ``name``, ``vocab_size``,
     ``max_positions``, ``compute``) it serves at once; without, a thread loads the weights at start-up
     and ``/health`` says 503 until they are in."""
     if engine is not None:
@@ -152,7 +180,7 @@ def create_app(config: ServeConfig, engine: Any = None,
     max_context = resolve_limits(config, vocab_size, max_positions)
     DraftRequest = draft_request_model(vocab_size, max_context, config.num_draft)
     metrics = ServerMetrics()
-    state = ServerState(config, metrics)
+    state = ServerState(config, metrics, max_context)
 
     def load() -> None:
         try:
@@ -172,9 +200,10 @@ def create_app(config: ServeConfig, engine: Any = None,
         if engine is not None:
             state.start(engine)
         else:
-            threading.Thread(target=load, name="specdraft-loader", daemon=True).start()
+            state.loader = threading.Thread(target=load, name="specdraft-loader", daemon=True)
+            state.loader.start()
         yield
-        await asyncio.to_thread(state.stop, config.request_timeout_s)
+        await asyncio.to_thread(state.stop, config.shutdown_timeout_s)
 
     app = FastAPI(title="specdraft draft server", version=_version(), lifespan=lifespan,
                   docs_url=None, redoc_url=None,
@@ -185,52 +214,78 @@ def create_app(config: ServeConfig, engine: Any = None,
         code: {"model": ErrorResponse, "description": text} for code, text in (
             (400, "malformed JSON"), (413, "body too large"), (415, "body is not application/json"),
             (422, "a field is invalid (named in details)"),
-            (500, "the model failed on this request's batch"),
-            (503, "not loaded yet, queue full, shutting down or timed out (Retry-After)"))}
+            (500, "the model failed on this request's iteration"),
+            (503, "not loaded yet, overloaded (the work ahead misses the deadline), queue full, shutting down or "
+                  "timed out (Retry-After)"))}
+
+    def unavailable(outcome: str, error: str, message: str, retry_after: float = RETRY_AFTER_S) -> ApiError:
+        metrics.outcome(outcome)
+        return ApiError(503, error, message, headers={"Retry-After": retry_after_header(retry_after)})
 
     @app.post("/draft", response_model=DraftResponse, responses=error_responses,
               summary="the draft model's next num_tokens greedy tokens after token_ids")
-    async def draft(request: DraftRequest) -> Any:  # type: ignore[valid-type]
-        batcher = state.batcher
-        if state.status != "ok" or batcher is None:
+    async def draft(body: DraftRequest, request: Request) -> Any:  # type: ignore[valid-type]
+        scheduler = state.scheduler
+        if state.status != "ok" or scheduler is None:
             raise ApiError(503, "not_ready", f"the draft is not being served (status: {state.status})",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
-            future = batcher.submit(request.token_ids, request.num_tokens)
+            pending = scheduler.submit(body.token_ids, body.num_tokens, config.request_timeout_s)
+        except Overloaded as e:
+            raise unavailable(REFUSED_OVERLOAD, "overloaded", str(e), e.retry_after) from None
         except QueueFullError as e:
-            raise ApiError(503, "queue_full", str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except BatcherClosedError as e:
-            raise ApiError(503, "shutting_down", str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise unavailable(REFUSED_QUEUE_FULL, "queue_full", str(e)) from None
+        except ShuttingDownError as e:
+            raise unavailable(REFUSED_SHUTDOWN, "shutting_down", str(e)) from None
+        answer = asyncio.wrap_future(pending.future)
+        gone = asyncio.ensure_future(_client_gone(request))
+        done, _ = await asyncio.wait({answer, gone}, timeout=max(0.0, pending.deadline - time.monotonic()),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if answer not in done:
+            if gone in done:  # nobody will read the answer: stop computing it
+                pending.cancel(CANCELLED)
+                metrics.outcome(CANCELLED)
+                return Response(status_code=499)  # nginx's "client closed request"
+            pending.cancel(TIMED_OUT)
+            raise unavailable(TIMED_OUT, "timeout", f"no draft within {config.request_timeout_s}s")
         try:
-            ids = await asyncio.wait_for(asyncio.wrap_future(future), config.request_timeout_s)
-        except asyncio.TimeoutError:
-            raise ApiError(503, "timeout", f"no draft within {config.request_timeout_s}s",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except BatcherClosedError as e:
-            raise ApiError(503, "shutting_down", str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except BatchFailedError as e:
-            raise ApiError(500, "draft_failed", f"the model failed on this batch: {e}") from None
+            ids = answer.result()
+        except (TimeoutError, asyncio.CancelledError):
+            raise unavailable(TIMED_OUT, "timeout", f"no draft within {config.request_timeout_s}s") from None
+        except ShuttingDownError as e:
+            raise unavailable(REFUSED_SHUTDOWN, "shutting_down", str(e)) from None
+        except DraftFailedError as e:
+            metrics.outcome(FAILED)
+            raise ApiError(500, "draft_failed", f"the model failed on this request's iteration: {e}") from None
+        metrics.outcome(ANSWERED, len(ids))
         return JSONResponse({"draft_ids": ids, "model": state.engine.name})
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "not ready"}})
     async def health() -> Any:
         body = Health(status=state.status, model=getattr(state.engine, "name", None),
                       compute=getattr(state.engine, "compute", None), detail=state.error)
-        ok = state.status == "ok" and state.batcher is not None and state.batcher.running
+        ok = state.status == "ok" and state.scheduler is not None and state.scheduler.running
         return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                               "description": "Prometheus text format"}})
     async def metrics_endpoint() -> Response:
-        if state.batcher is not None:
-            metrics.queue_depth.set(state.batcher.queue_depth())
+        if state.scheduler is not None:
+            metrics.queue_depth.set(state.scheduler.queue_depth())
         return Response(metrics.render(), media_type=metrics.content_type)
 
     _integral_schema_bounds(app)
     _install_error_handlers(app)
     app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_body_bytes)
     return app
+
+
+async def _client_gone(request: Request, poll_s: float = 0.1) -> None:
+    """Returns once the client has closed its connection (an ASGI http.disconnect)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(poll_s)
 
 
 def _integral_schema_bounds(app: FastAPI) -> None:
@@ -303,6 +358,7 @@ class EdgeMiddleware:
             return
         path = scope.get("path", "")
         status_seen: list[int] = []
+        started = time.perf_counter()
 
         async def send_counting(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -317,7 +373,7 @@ class EdgeMiddleware:
                     return
             await self.app(scope, receive, send_counting)
         finally:
-            self.metrics.request_done(path, status_seen[0] if status_seen else 500)
+            self.metrics.request_done(path, status_seen[0] if status_seen else 500, time.perf_counter() - started)
 
     async def _check_body(self, scope: dict, receive: Callable) -> tuple[Response | None, Callable]:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -423,7 +479,7 @@ def url_of(sock: socket.socket) -> str:
 
 def make_server(config: ServeConfig, app: FastAPI, sock: socket.socket, on_started: Callable[[], None]):
     uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                               timeout_graceful_shutdown=max(1, int(config.request_timeout_s) + 5),
+                               timeout_graceful_shutdown=max(1, math.ceil(config.shutdown_timeout_s)),
                                backlog=max(2048, config.max_queue))
     return _Server(uv_config, on_started)
 

@@ -18,13 +18,29 @@ class ServeConfig(StageConfig):
     port: int = Field(8000, ge=0, le=65535,
                       description="TCP port; 0 picks a free one (the log line 'listening on http://HOST:PORT' "
                                   "names it)")
-    max_batch_size: int = Field(32, ge=1, le=1024, description="most requests in one model step")
+    max_batch_size: int = Field(32, ge=1, le=1024,
+                                description="most short requests decoding together (the short lane's KV slots, "
+                                            "preallocated: max_batch_size x (long_context_tokens + num_draft) tokens)")
     max_wait_ms: float = Field(2.0, ge=0, le=10_000,
-                               description="how long the worker waits for more requests after the first one")
+                               description="how long an idle worker waits for more requests after the first one")
     num_draft: int = Field(16, ge=1, le=64, description="default and largest num_tokens of a request")
     max_context: int | None = Field(
-        None, ge=1, description="longest token_ids accepted (default and upper bound: the model's positions "
-                                "minus num_draft)")
+        None, ge=1, description="longest token_ids accepted, 422 beyond (default and upper bound: the model's "
+                                "positions minus num_draft)", json_schema_extra={"aliases": ["--max-context-tokens"]})
+    long_context_tokens: int = Field(
+        512, ge=1, description="contexts longer than this go to the long lane: prefilled in chunks between the "
+                               "short requests' decode steps, one long prefill at a time")
+    long_slots: int = Field(1, ge=1, le=64, description="long requests decoding together (the long lane's KV slots, "
+                                                        "each max_context + num_draft tokens, preallocated)")
+    prefill_tokens: int = Field(
+        512, ge=1, description="context tokens prefilled per scheduler iteration, between decode steps (short "
+                               "contexts whole, a long one in chunks)",
+        json_schema_extra={"aliases": ["--max-batch-tokens"]})
+    prefill_chunk_tokens: int = Field(
+        64, ge=1, description="a long prefill's chunk while short work runs, until the costs are measured; then the "
+                              "chunk takes at most --long-share of the worker's time")
+    long_share: float = Field(0.25, gt=0, lt=1, description="most of the worker's time long prefills take while "
+                                                            "short requests wait or run")
     threads: int | None = Field(None, ge=1, le=256,
                                 description="torch intra-op threads (default: CPUs - 1, leaving one core to the "
                                             "HTTP side; at least 1)")
@@ -40,14 +56,16 @@ class ServeConfig(StageConfig):
                           "the same logits bit for bit, q/k/v in one int4 call, less per-call overhead); off, or "
                           "for other architectures, transformers' own forward")
     trim_heap: bool = Field(
-        True, description="hand freed memory back to the OS after every model step (glibc malloc_trim): batches "
-                          "of varying shapes otherwise leave the heap fragmented and the RSS climbing "
+        True, description="hand freed memory back to the OS after model work (glibc malloc_trim): batches "
+                          "of varying shapes otherwise leave the heap fragmented and the RSS climbing; "
                           "no-op without glibc")
     max_queue: int = Field(256, ge=1, le=1_000_000,
                            description="requests that may wait for the worker; beyond it: 503 + Retry-After")
     max_body_bytes: int = Field(1 << 20, ge=256, description="largest request body accepted (413 beyond)")
-    request_timeout_s: float = Field(30.0, gt=0, description="a request not answered by then gets 503")
-    max_batch_tokens: int = Field(
-        1 << 15, ge=1, description="padded tokens (rows x (longest context + n)) per model step; a larger "
-                                   "batch is split into length-sorted steps")
+    request_timeout_s: float = Field(30.0, gt=0, description="a request not answered by then gets 503 (and is "
+                                                            "dropped); one the work ahead cannot answer by then is "
+                                                            "refused at once with 503 + Retry-After")
+    shutdown_timeout_s: float = Field(10.0, gt=0, description="on SIGINT/SIGTERM: how long requests in flight may "
+                                                              "still be answered before the rest get 503 and the "
+                                                              "server exits")
     model_name: str | None = Field(None, description="name returned in responses (default: the model dir's name)")

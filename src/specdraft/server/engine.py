@@ -1,8 +1,10 @@
-"""The model side of the server: a loaded draft (``load_engine``) whose ``draft`` runs ``draft_batch``.
+"""The model side of the server: a loaded draft (``load_engine``) and the lanes the scheduler runs it in.
 
-Loading is ``model.loader.load_draft``; the compute formats are ``quant.linear``'s. The server adds the lean
-decode forward (``model.lean``, built at load) and hands freed memory back to the OS after each step
-(``heap_trimmer``).
+Loading is ``model.loader.load_draft``; the compute formats are ``quant.linear``'s. A ``SlotLane`` is a
+``model.decode.SlotDecoder`` over the draft whose rows are keyed by request: every row attends to its own columns
+only and the int4 kernel computes rows independently, so a request gets the tokens it gets alone, whoever shares
+its iteration. The server adds the lean decode forward (``model.lean``, built at load) and hands freed memory
+back to the OS (``heap_trimmer``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 from torch import nn
 
-from specdraft.model.decode import draft_batch
+from specdraft.model.decode import Generation, SlotDecoder, draft_batch
 from specdraft.model.lean import lean_forward, lean_unsupported
 from specdraft.model.loader import load_draft
 from specdraft.quant.linear import Compute
@@ -43,9 +45,45 @@ class Engine:
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
         return draft_batch(self.model, contexts, num_tokens, lean=self.lean)
 
+    def lane(self, slots: int, capacity: int, num_draft: int) -> "SlotLane":
+        return SlotLane(self.model, slots, capacity, num_draft, lean=self.lean)
+
     def bytes_per_token(self) -> int:
         """Weight bytes one decode step reads at batch 1 (linear layers; the embedding row is negligible)."""
         return int(self.load_info.get("linear_weight_bytes", 0))
+
+
+class SlotLane:
+    """Rows of one KV cache (``SlotDecoder``, exact rows), keyed by the scheduler's request keys."""
+
+    def __init__(self, model: nn.Module, slots: int, capacity: int, num_draft: int, lean: bool = True):
+        self.decoder = SlotDecoder(model, slots, capacity, num_draft, eos=set(), lean=lean, row_attention=True)
+        self.slots, self.capacity = slots, capacity
+
+    @property
+    def free(self) -> int:
+        return self.decoder.free
+
+    def _tokens(self, finished: list[tuple[int, Generation]]) -> dict[int, list[int]]:
+        out = {key: list(toks) for key, toks in zip(self.decoder.index, self.decoder.tokens)}
+        out.update({key: gen.tokens for key, gen in finished})
+        return out
+
+    def admit(self, keys: Sequence[int], contexts: Sequence[Sequence[int]]) -> dict[int, list[int]]:
+        tokens = self._tokens(self.decoder.admit(list(keys), list(contexts)))
+        return {key: tokens[key] for key in keys}
+
+    def prefill_chunk(self, key: int, context: Sequence[int], start: int, size: int) -> dict[int, list[int]]:
+        finished = self.decoder.prefill_chunk(key, context, start, size)
+        if start + size < len(context):
+            return {}
+        return {key: self._tokens(finished)[key]}
+
+    def step(self) -> dict[int, list[int]]:
+        return self._tokens(self.decoder.step())
+
+    def release(self, keys: Sequence[int]) -> None:
+        self.decoder.release(keys)
 
 
 def heap_trimmer() -> Callable[[], None] | None:

@@ -1,14 +1,21 @@
-"""Prometheus metrics of one app, in its own CollectorRegistry (two apps in a process never mix)."""
+"""Prometheus metrics of one app, in its own CollectorRegistry (two apps in a process never mix).
+
+Requests by route and status and their latency; what became of each draft request (answered, timed out,
+cancelled by its client, refused for overload, a full queue or shutdown, failed) and the work dropped for the
+abandoned ones; the scheduler's iterations (rows decoded together, prefill tokens, time); the queue; and the
+process itself (resident memory, CPU seconds, open files: prometheus_client's process collector).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 ROUTES = ("/draft", "/health", "/metrics", "/openapi.json")
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-DECODE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITERATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class ServerMetrics:
@@ -18,34 +25,59 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("specdraft_requests", "HTTP requests by route and status code",
                                 ["route", "status"], registry=r)
-        self.batch_size = Histogram("specdraft_batch_size", "requests per model step (one draft_batch call)",
-                                    buckets=BATCH_BUCKETS, registry=r)
-        self.queue_wait = Histogram("specdraft_queue_wait_seconds", "time from enqueue to the start of its batch",
+        self.latency = Histogram("specdraft_request_seconds", "HTTP request latency by route, from the request's "
+                                 "arrival to its response", ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.outcomes = Counter("specdraft_draft_outcomes", "what became of each POST /draft: answered, timed_out, "
+                                "cancelled (the client went away), refused_overload, refused_queue_full, "
+                                "refused_shutdown, failed", ["outcome"], registry=r)
+        self.dropped_requests = Counter("specdraft_dropped", "requests the scheduler dropped because nobody waited "
+                                        "for them any more, by where they were (queued: never computed; running: "
+                                        "stopped mid-draft) and why", ["where", "outcome"], registry=r)
+        self.rows = Histogram("specdraft_iteration_rows", "rows decoded together in one scheduler iteration",
+                              buckets=ROW_BUCKETS, registry=r)
+        self.queue_wait = Histogram("specdraft_queue_wait_seconds", "time from enqueue to the start of its prefill",
                                     buckets=WAIT_BUCKETS, registry=r)
-        self.decode = Histogram("specdraft_decode_seconds", "model time per batch (prefill + n decode steps)",
-                                buckets=DECODE_BUCKETS, registry=r)
+        self.iteration_seconds = Histogram("specdraft_iteration_seconds", "model time per scheduler iteration (one "
+                                           "decode step of the live rows + budgeted prefill)",
+                                           buckets=ITERATION_BUCKETS, registry=r)
         self.tokens = Counter("specdraft_draft_tokens", "draft tokens returned", registry=r)
         self.context_tokens = Counter("specdraft_context_tokens", "context tokens prefilled", registry=r)
-        self.batch_failures = Counter("specdraft_batch_failures", "model steps that raised", registry=r)
+        self.failures = Counter("specdraft_iteration_failures", "scheduler iterations whose model call raised",
+                                registry=r)
         self.queue_depth = Gauge("specdraft_queue_depth", "requests waiting for the worker", registry=r)
+        self.running = Gauge("specdraft_rows_running", "requests in the lanes (prefilling or decoding)", registry=r)
         self.ready = Gauge("specdraft_ready", "1 once the weights are loaded and the worker runs", registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
 
-    # BatchObserver, called from the worker thread (prometheus_client metrics are thread-safe)
-    def batch_started(self, size: int, queue_waits: list[float], queue_depth: int) -> None:
-        self.batch_size.observe(size)
+    # scheduler.Observer, called from the worker thread (prometheus_client metrics are thread-safe)
+    def iteration(self, seconds: float, rows: int, prefill_tokens: int, ok: bool) -> None:
+        self.iteration_seconds.observe(seconds)
+        if rows:
+            self.rows.observe(rows)
+        self.context_tokens.inc(prefill_tokens)
+        if not ok:
+            self.failures.inc()
+
+    def admitted(self, queue_waits: list[float]) -> None:
         for w in queue_waits:
             self.queue_wait.observe(w)
-        self.queue_depth.set(queue_depth)
 
-    def batch_finished(self, size: int, seconds: float, tokens: int, context_tokens: int, ok: bool) -> None:
-        self.decode.observe(seconds)
+    def dropped(self, outcome: str, running: bool) -> None:
+        self.dropped_requests.labels("running" if running else "queued", outcome).inc()
+
+    def depth(self, waiting: int, running: int) -> None:
+        self.queue_depth.set(waiting)
+        self.running.set(running)
+
+    # the HTTP side
+    def outcome(self, outcome: str, tokens: int = 0) -> None:
+        self.outcomes.labels(outcome).inc()
         self.tokens.inc(tokens)
-        self.context_tokens.inc(context_tokens)
-        if not ok:
-            self.batch_failures.inc()
 
-    def request_done(self, path: str, status: int) -> None:
-        self.requests.labels(path if path in ROUTES else "other", str(status)).inc()
+    def request_done(self, path: str, status: int, seconds: float) -> None:
+        route = path if path in ROUTES else "other"
+        self.requests.labels(route, str(status)).inc()
+        self.latency.labels(route).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

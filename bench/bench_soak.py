@@ -1,0 +1,209 @@
+"""Soak the draft server under mixed traffic, each mix for minutes on a fresh server, then SIGTERM it.
+
+  .venv/bin/python bench/bench_soak.py --model-dir runs/demo/model --duration 300 --out soak.json
+
+Mixes (clients of each class, closed loop; a client waits 1 s after a 503 unless it misbehaves):
+
+  short       24 clients, contexts of 16-300 tokens
+  mixed       the 24 short + 4 long clients, contexts of 2,000-4,000 tokens
+  misbehaving the mixed ones + 2 clients sending malformed bodies and 2 abandoning 3,000-token requests after
+              0.5 s, not waiting after a 503
+  long        8 long clients only
+
+Per client class: status codes, answered per second, p50/p99 of the answered; the server's RSS at start, after
+the warm-up, at its peak and at the end; and the exit code and seconds of a SIGTERM sent while the clients still
+run. The goal figures (short clients in `mixed` against `short`: throughput >= 70%, p99 <= 2x) are computed at
+the end. Contexts are random token ids of the draft's vocabulary (what costs is their length, not their words).
+The server runs with `specdraft serve`'s defaults unless --serve-args says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import shlex
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from specdraft.core.provenance import run_metadata
+from specdraft.model.specs import load_config
+from specdraft.server.process import ServerProcess
+
+log = logging.getLogger("specdraft.bench.soak")
+
+MIXES = {
+    "short": {"short": 24},
+    "mixed": {"short": 24, "long": 4},
+    "misbehaving": {"short": 24, "long": 4, "malformed": 2, "abandoning": 2},
+    "long": {"long": 8},
+}
+CONTEXTS = {"short": (16, 300), "long": (2000, 4000), "abandoning": (3000, 3000), "malformed": (16, 64)}
+BAD_BODIES = [b'{"token_ids": [1, 2', b'{"token_ids": "x"}', b'{"num_tokens": 99}', b"[]",
+              b'{"token_ids": [1.5, -2]}', b'{"token_ids": [1], "extra": true}']
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+async def client(url: str, kind: str, vocab: int, seed: int, stop: asyncio.Event, record: list) -> None:
+    """One closed-loop client of a class: send, wait for the answer (or give up), repeat until ``stop``."""
+    rng = random.Random(seed)
+    low, high = CONTEXTS[kind]
+    timeout = 0.5 if kind == "abandoning" else 120.0
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, trust_env=False) as http:
+        while not stop.is_set():
+            started = time.perf_counter()
+            try:
+                if kind == "malformed":
+                    r = await http.post("/draft", content=rng.choice(BAD_BODIES),
+                                        headers={"content-type": "application/json"})
+                else:
+                    ids = [rng.randrange(vocab) for _ in range(rng.randint(low, high))]
+                    r = await http.post("/draft", json={"token_ids": ids, "num_tokens": 16})
+                status: int | str = r.status_code
+            except httpx.TimeoutException:
+                status = "gave up" if kind == "abandoning" else "client timeout"
+            except httpx.HTTPError as e:
+                status = type(e).__name__
+            record.append((kind, status, time.perf_counter() - started, time.monotonic()))
+            if status == 503 and kind in ("short", "long"):
+                try:
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
+
+
+def run_mix(name: str, classes: dict[str, int], args, vocab: int) -> dict[str, Any]:
+    log.info("mix %s: %s for %ds", name, classes, args.duration)
+    extra = shlex.split(args.serve_args)
+    server = ServerProcess(args.model_dir, Path(args.work) / f"soak_{name}.log", extra)
+    ready, detail = server.wait_ready(600)
+    if not ready:
+        raise RuntimeError(f"server did not start: {detail}")
+    pid = server.proc.pid
+    rss: list[tuple[float, float]] = []
+    sampling = threading.Event()
+    t0 = time.monotonic()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            value = rss_mb(pid)
+            if value is not None:
+                rss.append((time.monotonic() - t0, value))
+            sampling.wait(2.0)
+
+    threading.Thread(target=sample, daemon=True).start()
+    record: list[tuple] = []
+
+    async def main() -> tuple[int | None, float]:
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(client(server.url, kind, vocab, 1000 * i + j, stop, record))
+                 for i, (kind, n) in enumerate(classes.items()) for j in range(n)]
+        await asyncio.sleep(args.duration)
+        # SIGTERM while the clients still run: in-flight and queued requests are answered or refused
+        sigterm_at = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(server.proc.wait, 60)
+        seconds = time.monotonic() - sigterm_at
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return code, seconds
+
+    try:
+        code, sigterm_seconds = asyncio.run(main())
+    finally:
+        sampling.set()
+        server.stop()
+    end = t0 + args.duration
+    per_class: dict[str, Any] = {}
+    for kind in classes:
+        rows = [r for r in record if r[0] == kind and r[3] <= end]  # before the SIGTERM
+        answered = [r[2] for r in rows if r[1] == 200]
+        per_class[kind] = {
+            "clients": classes[kind], "requests": len(rows), "statuses": dict(Counter(str(r[1]) for r in rows)),
+            "answered_per_s": len(answered) / args.duration,
+            "p50_s": pct(answered, 50), "p99_s": pct(answered, 99),
+        }
+    after_sigterm = Counter(str(r[1]) for r in record if r[3] > end)
+    warm = [m for t, m in rss if t >= args.warmup]
+    log_text = server.log_text()
+    result = {
+        "mix": name, "classes": per_class, "duration_s": args.duration,
+        "rss_mb": {"start": rss[0][1] if rss else None, "after_warmup": warm[0] if warm else None,
+                   "peak_after_warmup": max(warm) if warm else None, "end": rss[-1][1] if rss else None,
+                   "peak": max((m for _, m in rss), default=None),
+                   "growth_after_warmup": (max(warm) / warm[0] - 1) if warm else None},
+        "sigterm": {"exit_code": code, "seconds": sigterm_seconds, "after_sigterm_statuses": dict(after_sigterm),
+                    "aborted": "terminate called" in log_text},
+        "server_argv": server.argv,
+        "five_hundreds_other_than_503": sum(n for s, n in Counter(str(r[1]) for r in record).items()
+                                            if s.isdigit() and int(s) >= 500 and s != "503"),
+    }
+    log.info("mix %s: %s", name, json.dumps({k: (v["answered_per_s"], v["p99_s"], v["statuses"])
+                                             for k, v in per_class.items()}))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", required=True, help="the packed draft to serve (e.g. runs/demo/model)")
+    ap.add_argument("--duration", type=int, default=300, help="seconds of traffic per mix")
+    ap.add_argument("--warmup", type=int, default=60, help="seconds after which RSS must stay flat")
+    ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
+    ap.add_argument("--serve-args", default="", help="extra `specdraft serve` options, e.g. '--threads 1'")
+    ap.add_argument("--work", default="runs/bench_soak", help="where the servers' logs go")
+    ap.add_argument("--out", default="runs/bench_soak/soak.json")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    vocab = int(load_config(args.model_dir).vocab_size)
+    results = [run_mix(name, MIXES[name], args, vocab) for name in args.mixes]
+    by_mix = {r["mix"]: r for r in results}
+    goals = {}
+    if "short" in by_mix and "mixed" in by_mix:
+        alone, mixed = by_mix["short"]["classes"]["short"], by_mix["mixed"]["classes"]["short"]
+        goals = {"short_throughput_kept": mixed["answered_per_s"] / alone["answered_per_s"]
+                 if alone["answered_per_s"] else None,
+                 "short_p99_ratio": mixed["p99_s"] / alone["p99_s"] if alone["p99_s"] and mixed["p99_s"] else None}
+    report = {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), "results": results,
+              "goals": goals, "machine": os.uname().nodename, **run_metadata()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({"goals": goals, "per_mix": {r["mix"]: {
+        "classes": {k: {"answered_per_s": round(v["answered_per_s"], 2), "p50_s": v["p50_s"], "p99_s": v["p99_s"],
+                        "statuses": v["statuses"]} for k, v in r["classes"].items()},
+        "rss_mb": r["rss_mb"], "sigterm": r["sigterm"], "5xx_not_503": r["five_hundreds_other_than_503"]}
+        for r in results}}, indent=1, default=lambda x: round(x, 3) if isinstance(x, float) else x))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,454 @@
+"""Iteration-level scheduling between the HTTP handlers and the model (vLLM's scheduler, TGI's router).
+
+Handlers ``submit`` a request and await its future; one worker thread owns the model and runs iterations. Each
+iteration it
+
+1. drops the requests nobody waits for any more -- the client gave up, or the deadline passed -- from the queue
+   and from the running rows, so no work is done for nobody;
+2. runs one decode step for every live row (a request is answered once it has its ``num_tokens``);
+3. prefills waiting requests within a budget of ``prefill_tokens``: short contexts whole (the short lane), a long
+   one (longer than ``long_context_tokens``) a chunk at a time in a lane of its own. While short work waits or
+   runs, a long chunk is sized to take at most ``long_share`` of the worker's time, so a long context delays
+   the short requests by one chunk per iteration, never by its whole prefill.
+
+A request whose deadline the work ahead of it cannot meet, by the measured cost of iterations and prefill
+tokens, is refused at once (``Overloaded``: 503 + Retry-After) instead of timing out later. ``close`` stops
+taking requests, lets the running ones finish until its timeout, fails the rest, and joins the worker.
+
+The model side is two ``Lane`` objects (``server.engine.SlotLane``: a ``SlotDecoder`` keyed by request).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Callable, Protocol, Sequence
+
+log = logging.getLogger(__name__)
+
+# outcomes of a request, as /metrics counts them
+ANSWERED, TIMED_OUT, CANCELLED, FAILED = "answered", "timed_out", "cancelled", "failed"
+REFUSED_OVERLOAD, REFUSED_QUEUE_FULL, REFUSED_SHUTDOWN = "refused_overload", "refused_queue_full", "refused_shutdown"
+EWMA = 0.2  # weight of the newest measurement in the running cost estimates
+
+
+class QueueFullError(RuntimeError):
+    """The request queue is at its limit; retry later."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server is shutting down and takes no new requests (or ran out of time for this one)."""
+
+
+class DraftFailedError(RuntimeError):
+    """The model failed on the iteration that held this request."""
+
+
+class Overloaded(RuntimeError):
+    """The work ahead of this request cannot finish before its deadline; retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Lane(Protocol):
+    """Rows decoding together in one KV cache; keys are the scheduler's request keys."""
+
+    slots: int
+    capacity: int  # longest context + draft tokens it can hold
+
+    @property
+    def free(self) -> int: ...
+
+    def admit(self, keys: Sequence[int], contexts: Sequence[Sequence[int]]) -> dict[int, list[int]]:
+        """Prefill these contexts (of one length) into free slots; the tokens of every admitted row so far."""
+
+    def prefill_chunk(self, key: int, context: Sequence[int], start: int, size: int) -> dict[int, list[int]]:
+        """Prefill one piece of a long context; on its last piece, the row's first token (else nothing)."""
+
+    def step(self) -> dict[int, list[int]]:
+        """One greedy token for every live row; each stepped row's tokens so far."""
+
+    def release(self, keys: Sequence[int]) -> None:
+        """Drop these rows, live or mid-prefill."""
+
+
+class Observer(Protocol):
+    def iteration(self, seconds: float, rows: int, prefill_tokens: int, ok: bool) -> None: ...
+    def admitted(self, queue_waits: list[float]) -> None: ...
+    def dropped(self, outcome: str, running: bool) -> None: ...
+    def depth(self, waiting: int, running: int) -> None: ...
+
+
+@dataclass(eq=False)
+class Request:
+    """One ``POST /draft``: its context, how many tokens it wants, by when, and what it has so far."""
+
+    key: int
+    context: list[int]
+    num_tokens: int
+    deadline: float  # time.monotonic()
+    long: bool
+    future: Future = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.monotonic)
+    prefilled: int = 0  # context tokens prefilled so far (a long context goes in pieces)
+    running: bool = False  # in a lane (prefilling or decoding)
+    outcome: str | None = None  # set once it leaves: answered, timed_out, cancelled, failed, ...
+
+    def cancel(self, outcome: str = CANCELLED) -> None:
+        """The handler gave up on it (client gone, or its own timeout): the worker drops it at its next look."""
+        if self.outcome is None:
+            self.outcome = outcome
+        self.future.cancel()
+
+    @property
+    def abandoned(self) -> bool:
+        return self.future.done()
+
+
+@dataclass
+class Costs:
+    """Running estimates (EWMA) of what the worker's work costs, for admission and the long chunk's size."""
+
+    iteration: float | None = None  # seconds of one iteration
+    short_work: float | None = None  # seconds of one iteration's short-lane work (decode step + admissions)
+    per_token: float | None = None  # seconds per prefilled context token
+
+    @staticmethod
+    def blend(old: float | None, new: float) -> float:
+        return new if old is None else (1 - EWMA) * old + EWMA * new
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the worker has queued and running, by lane: requests and context tokens still to prefill."""
+
+    short_waiting: int = 0
+    short_tokens: int = 0
+    short_running: int = 0
+    long_waiting: int = 0
+    long_tokens: int = 0
+    long_running: int = 0
+
+    @property
+    def waiting(self) -> int:
+        return self.short_waiting + self.long_waiting
+
+    @staticmethod
+    def of(waiting: dict[str, deque], running, chunked: Request | None) -> "Load":
+        running = list(running)
+        return Load(short_waiting=len(waiting["short"]), short_tokens=sum(len(r.context) for r in waiting["short"]),
+                    short_running=sum(not r.long for r in running), long_waiting=len(waiting["long"]),
+                    long_tokens=sum(len(r.context) for r in waiting["long"])
+                    + (len(chunked.context) - chunked.prefilled if chunked else 0),
+                    long_running=sum(r.long for r in running))
+
+
+class Scheduler:
+    """One worker thread running iterations of decode steps and budgeted prefill over two lanes."""
+
+    def __init__(self, short: Lane, long: Lane | None, *, num_draft: int, long_context_tokens: int,
+                 prefill_tokens: int = 512, chunk_tokens: int = 64, long_share: float = 0.25, max_queue: int = 256,
+                 max_wait_s: float = 0.0, observer: Observer | None = None, after_iteration: Callable[[], None] | None
+                 = None, name: str = "specdraft-scheduler"):
+        if prefill_tokens < 1 or chunk_tokens < 1 or max_queue < 1 or not 0 < long_share < 1 or max_wait_s < 0:
+            raise ValueError("prefill_tokens, chunk_tokens and max_queue must be >= 1, 0 < long_share < 1, "
+                             "max_wait_s >= 0")
+        self.short, self.long = short, long
+        self.num_draft, self.long_context_tokens = num_draft, long_context_tokens
+        self.prefill_tokens, self.chunk_tokens, self.long_share = prefill_tokens, chunk_tokens, long_share
+        self.max_queue, self.max_wait_s = max_queue, max_wait_s
+        self.observer, self.after_iteration, self.name = observer, after_iteration, name
+        self.costs = Costs()
+        self._keys = count()
+        self._lock = threading.Condition()
+        self._inbox: deque[Request] = deque()  # submitted, not yet seen by the worker
+        self._waiting = {"short": deque(), "long": deque()}  # seen, not yet in a lane
+        self._running: dict[int, Request] = {}  # key -> request in a lane
+        self._chunked: Request | None = None  # the long request being prefilled in pieces
+        self._closing = False
+        self._deadline_close: float | None = None
+        self._load = Load()  # the worker's queue and lanes as of its last iteration, for submit's estimate
+        self._thread: threading.Thread | None = None
+        self.iterations = 0
+        self.computed_keys: set[int] = set()  # requests that reached the model (tests: a dropped one never does)
+
+    # ------------------------------------------------------------------------------------------ client side
+
+    def start(self) -> "Scheduler":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, context: Sequence[int], num_tokens: int, timeout_s: float) -> Request:
+        """Queue one request due in ``timeout_s``; its future resolves to ``num_tokens`` token ids. Never blocks.
+        Raises ShuttingDownError, QueueFullError or Overloaded (the estimate of the work ahead misses the
+        deadline)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._closing:
+                raise ShuttingDownError("the server is shutting down")
+            queued = len(self._inbox) + self._load.waiting
+            if queued >= self.max_queue:
+                raise QueueFullError(f"request queue is full ({queued} waiting)")
+            long = len(context) > self.long_context_tokens
+            estimate = self._estimate(len(context), num_tokens, long)
+            if estimate is not None and estimate > timeout_s:
+                raise Overloaded(f"the work ahead would take about {estimate:.1f}s, past this request's "
+                                 f"{timeout_s:g}s deadline", retry_after=estimate - timeout_s)
+            request = Request(next(self._keys), list(context), int(num_tokens), now + timeout_s, long)
+            self._inbox.append(request)
+            self._lock.notify()
+        return request
+
+    def queue_depth(self) -> int:
+        with self._lock:
+            return len(self._inbox) + self._load.waiting
+
+    def close(self, timeout: float | None = None) -> None:
+        """Take no new requests; answer the queued and running ones within ``timeout`` seconds, fail what is left
+        with ShuttingDownError, and wait for the worker to end."""
+        with self._lock:
+            self._closing = True
+            self._deadline_close = None if timeout is None else time.monotonic() + timeout
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+        self._fail_all(ShuttingDownError("the server shut down before this request was answered"), REFUSED_SHUTDOWN)
+
+    # ----------------------------------------------------------------------------------------- estimates
+
+    def _estimate(self, context_tokens: int, num_tokens: int, long: bool) -> float | None:
+        """Seconds until a new request would be answered, from the running costs and the work queued ahead of
+        it (called with the lock held); None until the costs have been measured."""
+        c, load = self.costs, self._load
+        if c.iteration is None or c.per_token is None:
+            return None
+        inbox = [r for r in self._inbox if r.long == long]
+        if long:
+            ahead = load.long_tokens + sum(len(r.context) for r in inbox) + context_tokens
+            # a chunk per iteration, of the size short work leaves room for
+            chunk = max(self.chunk_tokens, self._chunk_size(busy=True))
+            requests = load.long_waiting + load.long_running + len(inbox) + 1
+            iterations = ahead / chunk + requests * self.num_draft
+        else:
+            ahead = load.short_tokens + sum(len(r.context) for r in inbox) + context_tokens
+            rows = load.short_waiting + load.short_running + len(inbox) + 1
+            wait_for_slots = max(0, rows - self.short.slots) / self.short.slots * self.num_draft
+            iterations = max(ahead / self.prefill_tokens, wait_for_slots) + num_tokens
+        return iterations * c.iteration
+
+    def _chunk_size(self, busy: bool) -> int:
+        """Tokens of a long prefill this iteration: all of the budget when no short work waits or runs, else the
+        share of the worker's time ``long_share`` allows beside the short lane's work."""
+        if not busy:
+            return self.prefill_tokens
+        c = self.costs
+        if c.short_work is None or c.per_token is None:
+            return self.chunk_tokens
+        share = self.long_share / (1 - self.long_share) * c.short_work / c.per_token
+        return max(self.chunk_tokens // 4, min(self.prefill_tokens, int(share)), 1)
+
+    # ------------------------------------------------------------------------------------------ worker side
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._inbox and not self._has_work() and not self._closing:
+                    self._lock.wait(0.5)
+                if self._closing and not self._inbox and not self._has_work():
+                    return
+                if self._closing and self._deadline_close is not None and time.monotonic() > self._deadline_close:
+                    return
+                if self.max_wait_s and not self._has_work() and len(self._inbox) < self.short.slots:
+                    self._lock.wait(self.max_wait_s)  # an idle server waits a moment for a batch to form
+                arrived = list(self._inbox)
+                self._inbox.clear()
+            for r in arrived:
+                self._waiting["long" if r.long else "short"].append(r)
+            try:
+                self._iteration()
+            except BaseException:  # never let the worker die: the iteration failed its own requests
+                log.exception("scheduler iteration failed")
+            if self.after_iteration is not None:
+                self.after_iteration()
+
+    def _has_work(self) -> bool:
+        return bool(self._running or self._chunked or self._waiting["short"] or self._waiting["long"])
+
+    def _iteration(self) -> None:
+        started = time.perf_counter()
+        self._drop_abandoned()
+        rows = len(self._running)
+        prefill = 0
+        ok = True
+        short_started = time.perf_counter()
+        try:
+            self._step(self.short)
+            prefill += self._admit_short()
+        except Exception as e:
+            ok = False
+            self._fail_lane(self.short, e)
+        short_seconds = time.perf_counter() - short_started
+        if self.long is not None:
+            try:
+                self._step(self.long)
+                prefill += self._prefill_long(busy=bool(self._waiting["short"]) or any(
+                    not r.long for r in self._running.values()))
+            except Exception as e:
+                ok = False
+                self._fail_lane(self.long, e)
+        seconds = time.perf_counter() - started
+        if rows or prefill:
+            self.costs.iteration = Costs.blend(self.costs.iteration, seconds)
+            self.costs.short_work = Costs.blend(self.costs.short_work, short_seconds)
+        self.iterations += 1
+        with self._lock:
+            self._load = Load.of(self._waiting, self._running.values(), self._chunked)
+        if self.observer is not None:
+            self.observer.iteration(seconds, rows, prefill, ok)
+            self.observer.depth(sum(map(len, self._waiting.values())), len(self._running))
+
+    def _drop_abandoned(self) -> None:
+        """Requests whose client gave up or whose deadline passed leave the queue and the lanes unanswered."""
+        now = time.monotonic()
+        for queue in self._waiting.values():
+            for r in [r for r in queue if r.abandoned or now > r.deadline]:
+                queue.remove(r)
+                self._drop(r, now, running=False)
+        for lane in (self.short, self.long):
+            gone = [r for r in self._running.values() if r.abandoned or now > r.deadline]
+            if lane is not None:
+                mine = [r for r in gone if (lane is self.long) == r.long]
+                if mine:
+                    lane.release([r.key for r in mine])
+                    for r in mine:
+                        del self._running[r.key]
+                        if self._chunked is r:
+                            self._chunked = None
+                        self._drop(r, now, running=True)
+
+    def _drop(self, r: Request, now: float, running: bool) -> None:
+        outcome = r.outcome or (TIMED_OUT if now > r.deadline else CANCELLED)
+        r.outcome = outcome
+        if not r.future.done():
+            r.future.set_exception(TimeoutError("no draft within the deadline"))
+        if self.observer is not None:
+            self.observer.dropped(outcome, running)
+
+    def _step(self, lane: Lane | None) -> None:
+        if lane is None or not any((r.long == (lane is self.long)) and r.prefilled == len(r.context)
+                                   for r in self._running.values()):
+            return
+        self._answer(lane, lane.step())
+
+    def _answer(self, lane: Lane, tokens: dict[int, list[int]]) -> None:
+        """Resolve the requests that have their tokens, and take them out of the lane."""
+        done = [key for key, toks in tokens.items() if key in self._running
+                and len(toks) >= self._running[key].num_tokens]
+        live = [key for key in done if len(tokens[key]) < self.num_draft]  # the lane keeps rows until num_draft
+        if live:
+            lane.release(live)
+        for key in done:
+            r = self._running.pop(key)
+            r.outcome = ANSWERED
+            if not r.future.done():
+                r.future.set_result(tokens[key][: r.num_tokens])
+
+    def _admit_short(self) -> int:
+        """Prefill waiting short contexts, whole, within the iteration's budget: those of one length together
+        (a row then gets exactly what it gets alone)."""
+        waiting, budget, spent = self._waiting["short"], self.prefill_tokens, 0
+        while waiting and self.short.free:
+            head = waiting[0]
+            width = len(head.context)
+            if spent and spent + width > budget:
+                break
+            group = [waiting.popleft()]
+            while (waiting and len(group) < self.short.free and len(waiting[0].context) == width
+                   and spent + width * (len(group) + 1) <= budget):
+                group.append(waiting.popleft())
+            now = time.monotonic()
+            if self.observer is not None:
+                self.observer.admitted([now - r.enqueued for r in group])
+            for r in group:
+                r.running, r.prefilled = True, width
+                self._running[r.key] = r
+                self.computed_keys.add(r.key)
+            started = time.perf_counter()
+            tokens = self.short.admit([r.key for r in group], [r.context for r in group])
+            self._measure_prefill(width * len(group), time.perf_counter() - started)
+            spent += width * len(group)
+            self._answer(self.short, tokens)
+        return spent
+
+    def _prefill_long(self, busy: bool) -> int:
+        """One chunk of the long context being prefilled (starting the next one when the lane has room)."""
+        if self._chunked is None:
+            waiting = self._waiting["long"]
+            if not waiting or not self.long.free:
+                return 0
+            r = waiting.popleft()
+            r.running = True
+            self._running[r.key] = r
+            self._chunked = r
+            self.computed_keys.add(r.key)
+            if self.observer is not None:
+                self.observer.admitted([time.monotonic() - r.enqueued])
+        r = self._chunked
+        size = min(self._chunk_size(busy), len(r.context) - r.prefilled)
+        started = time.perf_counter()
+        tokens = self.long.prefill_chunk(r.key, r.context, r.prefilled, size)
+        self._measure_prefill(size, time.perf_counter() - started)
+        r.prefilled += size
+        if r.prefilled == len(r.context):
+            self._chunked = None
+            self._answer(self.long, tokens)
+        return size
+
+    def _measure_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens:
+            self.costs.per_token = Costs.blend(self.costs.per_token, seconds / tokens)
+
+    def _fail_lane(self, lane: Lane, error: Exception) -> None:
+        """A model call raised: fail every request in that lane (its cache may be half-written) and empty it."""
+        log.error("model step failed (%s: %s); failing the lane's %d requests", type(error).__name__, error,
+                  sum((r.long == (lane is self.long)) for r in self._running.values()))
+        mine = [r for r in self._running.values() if r.long == (lane is self.long)]
+        lane.release([r.key for r in mine])
+        for r in mine:
+            del self._running[r.key]
+            if self._chunked is r:
+                self._chunked = None
+            r.outcome = FAILED
+            if not r.future.done():
+                r.future.set_exception(DraftFailedError(f"{type(error).__name__}: {error}"))
+
+    def _fail_all(self, error: Exception, outcome: str) -> None:
+        with self._lock:
+            pending = [*self._inbox, *self._waiting["short"], *self._waiting["long"], *self._running.values()]
+            self._inbox.clear()
+            for q in self._waiting.values():
+                q.clear()
+            self._running.clear()
+            self._chunked = None
+        for r in pending:
+            if not r.future.done():
+                r.outcome = r.outcome or outcome
+                r.future.set_exception(error)
+
+
+def retry_after_header(seconds: float) -> str:
+    return str(max(1, math.ceil(seconds)))

@@ -1,0 +1,95 @@
+"""Fake model sides for server tests that need no model: a lane whose answer is a function of the context."""
+
+import threading
+import time
+
+
+def expected(context, n, vocab=1000):
+    """The fake draft of a context: [sum(context) + k for k in range(n)] (mod vocab)."""
+    return [(sum(context) + k) % vocab for k in range(n)]
+
+
+class FakeLane:
+    """A ``scheduler.Lane`` without a model: one token per step per row, ``expected`` of its context. Records
+    every call; ``delay`` slows each model call, ``gate`` holds them, ``fail_when(context)`` raises."""
+
+    def __init__(self, slots, capacity, num_draft, vocab=1000, delay=0.0, gate=None, fail_when=None, calls=None,
+                 hook=None):
+        self.slots, self.capacity, self.num_draft, self.vocab = slots, capacity, num_draft, vocab
+        self.delay, self.gate, self.fail_when, self.hook = delay, gate, fail_when, hook
+        self.rows: dict[int, tuple[list[int], list[int]]] = {}  # key -> (context, tokens)
+        self.chunked: tuple[int, int] | None = None  # (key, tokens prefilled)
+        self.calls: list[tuple] = [] if calls is None else calls  # two lanes may share one log
+
+    @property
+    def free(self):
+        return self.slots - len(self.rows) - (self.chunked is not None)
+
+    def _model(self, what, contexts):
+        self.calls.append((what, [len(c) for c in contexts]))
+        if self.hook is not None:
+            self.hook(what, contexts)
+        if self.gate is not None:
+            self.gate.wait(90)
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail_when is not None and any(self.fail_when(c) for c in contexts):
+            raise RuntimeError("boom")
+
+    def _emit(self, key):
+        context, tokens = self.rows[key]
+        tokens.append(expected(context, len(tokens) + 1, self.vocab)[-1])
+        out = list(tokens)
+        if len(tokens) >= self.num_draft:
+            del self.rows[key]
+        return out
+
+    def admit(self, keys, contexts):
+        assert len(keys) <= self.free and len({len(c) for c in contexts}) == 1
+        self._model("admit", contexts)
+        for key, c in zip(keys, contexts):
+            self.rows[key] = (list(c), [])
+        return {key: self._emit(key) for key in keys}
+
+    def prefill_chunk(self, key, context, start, size):
+        assert (self.chunked is None and start == 0 and self.free) or self.chunked == (key, start)
+        self._model("chunk", [context[start:start + size]])
+        end = min(start + size, len(context))
+        if end < len(context):
+            self.chunked = (key, end)
+            return {}
+        self.chunked = None
+        self.rows[key] = (list(context), [])
+        return {key: self._emit(key)}
+
+    def step(self):
+        self._model("step", [c for c, _ in self.rows.values()])
+        return {key: self._emit(key) for key in list(self.rows)}
+
+    def release(self, keys):
+        for key in keys:
+            self.rows.pop(key, None)
+            if self.chunked and self.chunked[0] == key:
+                self.chunked = None
+
+
+class FakeEngine:
+    """Duck-typed engine for ``create_app``: its lanes are ``FakeLane``s (``lanes`` keeps them)."""
+
+    name, compute, vocab_size, max_positions = "fake", "float32", 1000, 272
+
+    def __init__(self, delay=0.0, fail_when=None, gate: threading.Event | None = None):
+        self.delay, self.fail_when, self.gate, self.lanes = delay, fail_when, gate, []
+
+    def lane(self, slots, capacity, num_draft):
+        lane = FakeLane(slots, capacity, num_draft, self.vocab_size, self.delay, self.gate, self.fail_when)
+        self.lanes.append(lane)
+        return lane
+
+    @property
+    def calls(self):
+        return [c for lane in self.lanes for c in lane.calls]
+
+    @staticmethod
+    def expected(context, n):
+        return expected(context, n, FakeEngine.vocab_size)

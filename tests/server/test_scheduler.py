@@ -1,0 +1,231 @@
+"""The scheduler's rules: each request its own answer, decode steps between budgeted prefills, a long context in
+chunks that delay a short request by at most one chunk, no work for a request nobody waits for, early refusal
+of what cannot meet its deadline, and a close that answers or refuses everything. Fake lanes count model calls;
+the tiny models check that the real lanes give every request the tokens it gets alone."""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fakes import FakeLane, expected
+from specdraft.model.decode import draft_batch
+from specdraft.server.engine import SlotLane
+from specdraft.server.scheduler import (
+    CANCELLED,
+    TIMED_OUT,
+    DraftFailedError,
+    Overloaded,
+    QueueFullError,
+    Scheduler,
+    ShuttingDownError,
+)
+
+
+class Recorder:
+    """scheduler.Observer that keeps what it is told."""
+
+    def __init__(self):
+        self.drops, self.iterations = [], 0
+
+    def iteration(self, seconds, rows, prefill_tokens, ok):
+        self.iterations += 1
+
+    def admitted(self, waits):
+        pass
+
+    def dropped(self, outcome, running):
+        self.drops.append((outcome, running))
+
+    def depth(self, waiting, running):
+        pass
+
+
+def _scheduler(short_slots=4, long=True, num_draft=4, long_context=8, **kw):
+    short = FakeLane(short_slots, long_context + num_draft, num_draft, delay=kw.pop("delay", 0.0),
+                     gate=kw.pop("gate", None), fail_when=kw.pop("fail_when", None))
+    lane = FakeLane(1, 100 + num_draft, num_draft) if long else None
+    observer = Recorder()
+    s = Scheduler(short, lane, num_draft=num_draft, long_context_tokens=long_context, observer=observer, **kw)
+    return s.start(), short, lane, observer
+
+
+def test_each_request_gets_its_own_answer_short_and_long():
+    s, short, long, _ = _scheduler()
+    try:
+        contexts = [[i, i + 1] for i in range(10)] + [list(range(30))]
+        requests = [s.submit(c, 1 + i % 4, 30) for i, c in enumerate(contexts)]
+        assert [r.future.result(10) for r in requests] == [expected(c, 1 + i % 4) for i, c in enumerate(contexts)]
+    finally:
+        s.close(10)
+    assert any(what == "chunk" for what, _ in long.calls) and not any(what == "chunk" for what, _ in short.calls)
+    assert max(len(lengths) for what, lengths in short.calls if what == "step") > 1  # rows decoded together
+
+
+def test_a_long_prefill_delays_a_short_request_by_at_most_one_chunk():
+    """While a long context is prefilled chunk by chunk, a short request submitted meanwhile is admitted at the next
+    iteration and answered num_tokens - 1 steps later: between its admission and its answer the long lane runs
+    at most one chunk per iteration, never the rest of its prefill."""
+    log, submitted = [], threading.Event()
+    short_request = []
+
+    def hold_third_chunk(what, contexts):  # the short request arrives while the long prefill is under way
+        if what == "chunk" and sum(c[0] == "chunk" for c in log) == 3:
+            short_request.append(s.submit([5, 6, 7], 4, 60))
+            submitted.set()
+
+    short = FakeLane(4, 8 + 4, 4, calls=log)
+    long = FakeLane(1, 400 + 4, 4, calls=log, hook=hold_third_chunk)
+    s = Scheduler(short, long, num_draft=4, long_context_tokens=8, prefill_tokens=16, chunk_tokens=4).start()
+    try:
+        long_request = s.submit(list(range(400)), 4, 60)
+        assert submitted.wait(10)
+        assert short_request[0].future.result(10) == expected([5, 6, 7], 4)
+        assert long_request.future.result(30) == expected(list(range(400)), 4)
+    finally:
+        s.close(10)
+    first = log.index(("admit", [3]))
+    answered = first + [i for i, c in enumerate(log[first:]) if c == ("step", [3])][2]  # its 4th token
+    between = log[first:answered + 1]
+    chunks = [c for c in between if c[0] == "chunk"]
+    assert len(chunks) <= 4 and all(c[1][0] <= 16 for c in chunks), between  # one per iteration at most
+    assert sum(c[1][0] for c in log if c[0] == "chunk") == 400  # and the long context got all its chunks
+
+
+def test_a_cancelled_request_is_never_computed():
+    gate = threading.Event()
+    s, short, _, observer = _scheduler(short_slots=1, gate=gate)
+    try:
+        first = s.submit([1, 2], 4, 60)
+        while not short.calls:  # the worker holds the first request in the (gated) admit
+            time.sleep(0.001)
+        queued = s.submit([3, 4], 4, 60)
+        queued.cancel(CANCELLED)
+        gate.set()
+        assert first.future.result(10) == expected([1, 2], 4)
+    finally:
+        gate.set()
+        s.close(10)
+    assert queued.key not in s.computed_keys and (CANCELLED, False) in observer.drops
+    assert all(lengths != [2] or what != "admit" for what, lengths in short.calls[1:])
+
+
+def test_a_request_cancelled_while_running_stops_at_the_next_iteration():
+    s, short, _, observer = _scheduler(num_draft=16, delay=0.01)
+    try:
+        r = s.submit([1, 2, 3], 16, 60)
+        while not any(what == "step" for what, _ in short.calls):
+            time.sleep(0.001)
+        r.cancel(CANCELLED)
+        steps_then = sum(what == "step" for what, _ in short.calls)
+        deadline = time.time() + 5
+        while (CANCELLED, True) not in observer.drops:
+            assert time.time() < deadline
+            time.sleep(0.005)
+    finally:
+        s.close(10)
+    assert sum(what == "step" for what, _ in short.calls) <= steps_then + 1 and not short.rows
+
+
+def test_a_request_past_its_deadline_is_dropped_without_compute():
+    gate = threading.Event()
+    s, short, _, observer = _scheduler(short_slots=1, gate=gate)
+    try:
+        first = s.submit([1], 1, 60)
+        while not short.calls:
+            time.sleep(0.001)
+        late = s.submit([2, 2], 1, 0.05)
+        time.sleep(0.1)
+        gate.set()
+        assert first.future.result(10) == [1]
+        with pytest.raises(TimeoutError):
+            late.future.result(10)
+    finally:
+        gate.set()
+        s.close(10)
+    assert late.key not in s.computed_keys and late.outcome == TIMED_OUT and (TIMED_OUT, False) in observer.drops
+
+
+def test_work_that_cannot_meet_its_deadline_is_refused_at_once():
+    s, short, _, _ = _scheduler(num_draft=16, delay=0.05)
+    try:
+        assert len(s.submit([1, 2], 16, 60).future.result(10)) == 16  # measures the costs
+        t = time.perf_counter()
+        with pytest.raises(Overloaded) as refused:
+            s.submit([3, 4], 16, 0.2)  # 16 iterations of >= 0.05 s cannot fit in 0.2 s
+        assert time.perf_counter() - t < 0.1 and refused.value.retry_after > 0
+        assert len(s.submit([5, 6], 16, 60).future.result(10)) == 16  # a reachable deadline is taken
+    finally:
+        s.close(10)
+
+
+def test_a_full_queue_is_refused_and_close_answers_then_refuses():
+    gate = threading.Event()
+    s, short, _, _ = _scheduler(short_slots=1, max_queue=2, gate=gate)
+    first = s.submit([1], 1, 60)
+    while not short.calls:
+        time.sleep(0.001)
+    queued = [s.submit([2], 1, 60), s.submit([3], 1, 60)]
+    with pytest.raises(QueueFullError):
+        s.submit([4], 1, 60)
+    gate.set()
+    s.close(10)
+    assert [r.future.result(0) for r in [first, *queued]] == [[1], [2], [3]]
+    with pytest.raises(ShuttingDownError):
+        s.submit([5], 1, 60)
+    assert not s.running
+
+
+def test_close_refuses_what_it_has_no_time_for():
+    gate = threading.Event()
+    s, short, _, _ = _scheduler(short_slots=1, gate=gate)
+    held = s.submit([1], 4, 60)
+    while not short.calls:
+        time.sleep(0.001)
+    queued = s.submit([2], 4, 60)
+    threading.Timer(0.3, gate.set).start()
+    s.close(0.1)  # the held iteration ends after the close's deadline: nothing more is started
+    for r in (held, queued):
+        with pytest.raises(ShuttingDownError):
+            r.future.result(0)
+    assert not s.running
+
+
+def test_a_failed_model_call_fails_its_lane_and_the_scheduler_goes_on():
+    s, short, _, _ = _scheduler(fail_when=lambda c: c == [13])
+    try:
+        with pytest.raises(DraftFailedError, match="boom"):
+            s.submit([13], 4, 60).future.result(10)
+        assert s.submit([2, 3], 4, 60).future.result(10) == expected([2, 3], 4)
+    finally:
+        s.close(10)
+
+
+# ----------------------------------------------------------------------------------- the real lanes
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen3_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+
+
+def test_real_lanes_give_every_request_the_draft_it_gets_alone(model):
+    """Short contexts decoded together and long ones prefilled in chunks between their steps: each request's
+    tokens equal ``draft_batch`` on its context alone."""
+    num_draft, long_context = 6, 24
+    short = SlotLane(model, 4, long_context + num_draft, num_draft)
+    long = SlotLane(model, 1, 120 + num_draft, num_draft)
+    s = Scheduler(short, long, num_draft=num_draft, long_context_tokens=long_context, prefill_tokens=32,
+                  chunk_tokens=8).start()
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    contexts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (3, 17, 24, 5, 80, 120, 9, 60)]
+    try:
+        requests = [s.submit(c, 1 + i % num_draft, 60) for i, c in enumerate(contexts)]
+        got = [r.future.result(60) for r in requests]
+    finally:
+        s.close(10)
+    want = [draft_batch(model, [c], 1 + i % num_draft)[0] for i, c in enumerate(contexts)]
+    assert got == want
