@@ -77,3 +77,22 @@ def test_a_config_file_may_give_the_required_options(tmp_path, capsys):
         main(["speculate", "--config", str(config_file)])
     assert exit_.value.code == 2
     assert "required: --prompts (on the command line or in the --config file)" in capsys.readouterr().err
+
+
+def test_log_level_sets_the_console_and_quiets_per_request_client_lines(tmp_path, tiny_qwen3_dir, capsys):
+    import logging
+
+    assert main(["models", "show", str(tiny_qwen3_dir), "--log-level", "warning"]) == 0
+    console = next(h for h in logging.getLogger().handlers if h.get_name() == "specdraft-console")
+    assert console.level == logging.WARNING and logging.getLogger("httpx").level == logging.WARNING
+    points = tmp_path / "v.jsonl"
+    points.write_text(json.dumps({"id": "a", "context_ids": [5, 6, 5, 6, 5], "target_ids": [6] * 16}) + "\n")
+    assert main(["eval", "--validation", str(points), "--lookup", "--out", str(tmp_path / "o"),
+                 "--log-level", "DEBUG"]) == 0
+    assert console.level == logging.DEBUG and logging.getLogger("httpx").level == logging.DEBUG
+    assert "points from" in (tmp_path / "o" / "eval.log").read_text()  # the run dir's log keeps INFO
+    assert main(["eval", "--validation", str(points), "--lookup", "--out", str(tmp_path / "o2"),
+                 "--log-level", "ERROR"]) == 0
+    assert "points from" in (tmp_path / "o2" / "eval.log").read_text()
+    assert main(["models", "show", str(tiny_qwen3_dir)]) == 0  # the default again
+    assert console.level == logging.INFO and logging.getLogger("httpx").level == logging.WARNING

@@ -52,6 +52,7 @@ def test_demo_ends_with_the_audit_and_fails_with_it(tmp_path, monkeypatch, audit
     run, calls = _stub_run(tmp_path, monkeypatch, audit_exit)
     rc = demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(tmp_path / "eval.jsonl")))
     assert calls[-3:] == ["speculate", "selfcheck", f"audit {run}"] and "pack_self" in calls and "eval_self" in calls
+    assert calls.index("pack") < calls.index("export") < calls.index("selfcheck")  # the audit follows the export
     assert rc == audit_exit and json.loads((run / "demo_summary.json").read_text())["audit_exit"] == audit_exit
 
 

@@ -29,6 +29,7 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
               "teacher-forced labels: the target's argmax at every position of reference answers"),
     "train": ("specdraft.stages.train", "TrainConfig", "run_train", "distil the draft from the target's traces"),
     "pack": ("specdraft.stages.pack", "PackConfig", "run_pack", "pack a checkpoint into the QD04 4-bit model dir"),
+    "export": ("specdraft.stages.export", "ExportConfig", "run_export", "export the draft as GGUF or HF safetensors"),
     "serve": ("specdraft.stages.serve", "ServeConfig", "run_serve", "serve POST /draft over HTTP"),
     "eval": ("specdraft.stages.evaluate", "EvalConfig", "run_eval", "acceptance of a drafter on validation points"),
     "speculate": ("specdraft.stages.speculate", "SpeculateConfig", "run_speculate",
@@ -40,14 +41,43 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
 }
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# One INFO line per request: an eval against the server or a speculation through it would print thousands
+CHATTY_LOGGERS = ("httpx", "httpcore")
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """The console shows ``level`` and above; a stage's own log file keeps INFO (``core.provenance.stage_log``).
+    Per-request client lines only at DEBUG."""
+    root = logging.getLogger()
+    console = next((h for h in root.handlers if h.get_name() == "specdraft-console"), None)
+    if console is None:
+        console = logging.StreamHandler()
+        console.set_name("specdraft-console")
+        console.setFormatter(logging.Formatter(LOG_FORMAT))
+        root.addHandler(console)
+    console.setLevel(level)
+    root.setLevel(min(logging.getLevelName(level), logging.INFO))
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
+
+
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="INFO", type=str.upper,
+                        help="console log level (default: INFO; the run dir's log file keeps INFO)")
+
+
 def _top_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdraft", description="Draft models for speculative decoding.")
+    _add_log_level(parser)
     sub = parser.add_subparsers(dest="stage", metavar="STAGE")
     models = sub.add_parser("models", help="model specs: show what a spec resolves to")
     models_sub = models.add_subparsers(dest="models_cmd", required=True)
     show = models_sub.add_parser("show", help="architecture and local path of a model spec")
     show.add_argument("spec", help="local dir | hub:ORG/NAME@REVISION | embedded:NAME")
     show.add_argument("--json", action="store_true", help="print JSON")
+    _add_log_level(show)
     for name, (_, _, _, help_text) in STAGES.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -60,16 +90,17 @@ def stage_parser(name: str):
     parser = argparse.ArgumentParser(prog=f"specdraft {name}", description=help_text)
     parser.add_argument("--config", dest="_config_file", default=None,
                         help="JSON file with config values (command-line options override it)")
+    _add_log_level(parser)
     add_config_arguments(parser, config_cls)
     return parser, config_cls, getattr(module, func_name)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if argv and argv[0] in STAGES:
         parser, config_cls, func = stage_parser(argv[0])
         args = parser.parse_args(argv[1:])
+        configure_logging(args.log_level)
         try:
             config = config_from_args(config_cls, args, args._config_file)
         except Exception as e:  # pydantic ValidationError: show it as a usage error, not a traceback
@@ -84,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2  # as `specdraft serve` and `models show` do for bad input
         return int(result) if isinstance(result, int) else 0
     args = _top_parser().parse_args(argv)
+    configure_logging(args.log_level)
     if args.stage == "models":
         return _models_show(args.spec, args.json)
     _top_parser().print_help()

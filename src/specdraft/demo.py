@@ -31,6 +31,7 @@ from specdraft.model.specs import DEFAULT_TARGET
 from specdraft.model.truncate import save_init
 from specdraft.server.process import ServerProcess
 from specdraft.stages.evaluate import EvalConfig, run_eval
+from specdraft.stages.export import ExportConfig, run_export
 from specdraft.stages.pack import PackConfig, run_pack
 from specdraft.stages.prompts import PromptsConfig, build_prompts
 from specdraft.stages.selfcheck import SelfcheckConfig, run_selfcheck
@@ -197,6 +198,13 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
 
     _stage(run_dir, "pack", pack_cfg.to_json_dict(), lambda: {"bytes": _pack_bytes(run_pack(pack_cfg))})
 
+    # The trained draft for llama.cpp (`llama-server -md`); the audit follows its record back to the pack.
+    export_cfg = ExportConfig(model_dir=str(run_dir / "model"), format="gguf",
+                              out=str(run_dir / "export" / "draft.gguf"), overwrite=True)
+    export = _stage(run_dir, "export", {**export_cfg.to_json_dict(), "pack": pack_cfg.to_json_dict(),
+                               "train": train_cfg.to_json_dict()},
+           lambda: _export_result(run_export(export_cfg)))
+
     # The reference draft no training makes: the target's own weights, packed (SELF_DRAFT_EMBEDDING).
     self_cfg = PackConfig(checkpoint=cfg.target, out=str(run_dir / "model_self"), overwrite=True,
                           embedding_encoding=SELF_DRAFT_EMBEDDING)
@@ -268,9 +276,16 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
         "pack": {"bytes": _arch_bytes(arch), "parameters": arch.get("parameter_count") or arch.get("parameters")},
         "pack_self": {"bytes": _arch_bytes(arch_self),
                       "parameters": arch_self.get("parameter_count") or arch_self.get("parameters")},
+        "export": export,
         "selfcheck_exit": selfcheck_exit,
         "audit_exit": audit_exit,
     }
+
+
+def _export_result(result) -> dict:
+    record = read_json(result.record)
+    return {"path": str(result.out), "bytes": result.out.stat().st_size, "exact": result.exact,
+            "tensors": len(record.get("tensors", [])), "not_exact": len(record.get("not_exact", []))}
 
 
 def _train_result(meta: dict) -> dict:
@@ -440,9 +455,19 @@ def summary_markdown(summary: dict) -> str:
     lines += ["", "## Files and checks", "",
               f"Pack: {summary['pack']['bytes']} bytes, {summary['pack']['parameters']} parameters (self-draft: "
               f"{self_pack.get('bytes')} bytes, {self_pack.get('parameters')} parameters). "
+              f"{_describe_export(summary.get('export'))}"
               f"Selfcheck exit {summary['selfcheck_exit']}, audit exit {summary['audit_exit']}. "
               f"Wall time: {_fmt_seconds(summary.get('wall_seconds'))}."]
     return "\n".join(lines) + "\n"
+
+
+def _describe_export(export: dict | None) -> str:
+    if not export:
+        return ""
+    exact = ("every tensor holds the pack's values exactly" if export.get("exact") else
+             f"{export.get('not_exact')} of {export.get('tensors')} tensors not exactly the pack's values")
+    return (f"GGUF for llama.cpp: `{export.get('path')}`, {export.get('bytes')} bytes, {exact} "
+            "(docs/exports.md). ")
 
 
 def _fmt(x, digits: int = 3) -> str:

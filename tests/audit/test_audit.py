@@ -326,6 +326,49 @@ def test_recorded_group_sizes_are_checked_against_the_file(run):
                                                                      "field": "group_sizes"}
 
 
+def test_generation_config_is_the_checkpoints_plus_the_recorded_draft_settings(run):
+    report = _audit(run, greedy_check=0)
+    (ok,) = [f for f in report.findings if f.check == "generation config"]
+    assert ok.status == "pass" and "num_assistant_tokens" in ok.message
+    _edit_json(run / "model" / "generation_config.json", "num_assistant_tokens", 9)
+    (bad,) = _failed(_audit(run, greedy_check=0))["generation config"]
+    assert any("not pack_recipe.json's" in d for d in bad.details)
+    _edit_json(run / "model" / "generation_config.json", "num_assistant_tokens", 4)
+    _edit_json(run / "model" / "generation_config.json", "eos_token_id", 7)
+    (bad,) = _failed(_audit(run, greedy_check=0))["generation config"]
+    assert any(d.startswith("eos_token_id: 7 in the model dir") for d in bad.details)
+
+
+# ----------------------------------------------------------------------------------------------- export
+
+def test_exports_are_followed_to_their_records_and_the_packed_model(run, tiny_qwen3_dir):
+    report = _audit(run, greedy_check=0)
+    assert [(f.check, f.status) for f in report.findings if f.section == "export"] == [("exports", "skip")]
+    assert main(["export", str(run / "model"), "--format", "gguf", "--out", str(run / "export" / "draft.gguf")]) == 0
+    assert main(["export", str(run / "model"), "--format", "hf", "--out", str(run / "export" / "hf")]) == 0
+    report = _audit(run, greedy_check=0)
+    found = [(f.check, f.status) for f in report.findings if f.section == "export"]
+    assert report.passed and found == [("export file", "pass"), ("export tensors", "pass"),
+                                       ("export source", "pass"), ("export file", "pass"),
+                                       ("export source", "pass")], found
+    assert "model" in [f for f in report.findings if f.check == "export source"][0].message
+    assert main(["export", str(tiny_qwen3_dir), "--format", "gguf", "--out", str(run / "export" / "other.gguf")]) == 0
+    (other,) = [f for f in _audit(run, greedy_check=0).findings if f.check == "export source" and f.status != "pass"]
+    assert other.status == "warn" and "not a model of this run" in other.message
+
+    gguf_file = run / "export" / "draft.gguf"
+    data = bytearray(gguf_file.read_bytes())
+    data[-1] ^= 0x01
+    gguf_file.write_bytes(bytes(data))
+    (tokenizer := run / "export" / "hf" / "tokenizer.json").write_text(tokenizer.read_text() + " ")
+    _edit_json(run / "export" / "hf" / "export_record.json", "source.weights_sha256", "0" * 64)
+    fails = _failed(_audit(run, greedy_check=0))
+    assert len(fails["export file"]) == 2 and "sha256" in fails["export file"][0].message
+    assert any("tokenizer.json: sha256" in d for d in fails["export file"][1].details)
+    (source,) = fails["export source"]
+    assert "no longer holds the recorded weights" in source.message
+
+
 def test_self_draft_is_checked_against_its_records_and_the_target(run, tiny_qwen3_dir, tiny_llama_dir):
     """RUN_DIR/model_self (the demo's self-draft): its file against its records, its source against the target."""
     assert main(["pack", "--checkpoint", str(tiny_qwen3_dir), "--out", str(run / "model_self"),

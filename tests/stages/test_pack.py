@@ -7,10 +7,11 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
 from specdraft.cli import main
 from specdraft.core.io import sha256_file
+from specdraft.model.export import ASSISTED_GENERATION
 from specdraft.model.loader import load_packed_model
 from specdraft.model.specs import weights_sha256
 from specdraft.model.tiny import build_tiny_model
@@ -76,6 +77,21 @@ def test_pack_writes_the_model_dir(packed_qwen3, tiny_qwen3_dir):
     assert recipe["output"]["sha256"] == arch["sha256"]
     assert recipe["source"]["path"] == str(tiny_qwen3_dir)
     assert {"versions", "created_at", "git_sha", "config"} <= set(recipe)
+
+
+def test_generation_config_carries_the_drafts_assisted_generation_settings(packed_qwen3, tiny_qwen3_dir):
+    """The checkpoint's generation config (eos / pad ids kept) plus what transformers' assisted generation reads
+    from the assistant's own config; the recipe records what was added."""
+    out = packed_qwen3.out
+    ours = json.loads((out / "generation_config.json").read_text())
+    theirs = json.loads((tiny_qwen3_dir / "generation_config.json").read_text())
+    assert ours == {**theirs, **ASSISTED_GENERATION}
+    recipe = json.loads((out / "pack_recipe.json").read_text())
+    assert recipe["assisted_generation"] == ASSISTED_GENERATION
+    gen = GenerationConfig.from_pretrained(out)
+    assert (gen.num_assistant_tokens, gen.num_assistant_tokens_schedule, gen.assistant_confidence_threshold,
+            gen.eos_token_id, gen.pad_token_id) == (4, "constant", 0.0, theirs["eos_token_id"],
+                                                    theirs["pad_token_id"])
 
 
 def test_estimate_matches_what_pack_writes(tiny_model_dir, tmp_path):

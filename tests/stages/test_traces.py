@@ -324,7 +324,7 @@ def test_vllm_generation_rejects_aborted():
 
 def test_vllm_backend_without_vllm_is_a_clear_error(tiny, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
-    with pytest.raises(RecordFileError, match="needs the vllm package"):
+    with pytest.raises(ValueError, match="needs the vllm package"):
         VLLMBackend(str(tiny[0]), tensor_parallel_size=1, chunk=8)
 
 

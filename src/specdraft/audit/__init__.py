@@ -9,7 +9,9 @@ One module per link, each independent of the others, in the order they run: ``da
 sources, 13-gram contamination of prompts, completions *and* the labelled reference answers trained on against
 the evaluation prompts), ``traces`` (declared target, greedy, counts, hashes, ids), ``training`` (init model,
 tensor names/shapes, traces hash, teacher-forced labels re-scored), ``pack`` (weight file bytes/sha256 against
-architecture.json and the recipe, recipe source against the checkpoint), ``serve`` (model dir contents, strict
+architecture.json and the recipe, recipe source against the checkpoint, the draft's generation config), ``export``
+(each record in RUN_DIR/export/: the exported file's sha256, a GGUF file's tensor names and types from its own
+header, the source sha256 against the run's models), ``serve`` (model dir contents, strict
 load, and -- optional -- the server run in a ``sandbox`` that blocks and records outgoing connections and records
 every file it opens; it may read only the model dir, Python code and package metadata, and its own temp files).
 ``context`` holds what they share, ``models`` the model checks both traces and training make, ``report`` the
@@ -25,6 +27,7 @@ from functools import partial
 from specdraft.audit.config import AuditConfig
 from specdraft.audit.context import AuditContext, Finding
 from specdraft.audit.data import audit_data
+from specdraft.audit.export import audit_export
 from specdraft.audit.pack import audit_pack
 from specdraft.audit.report import AuditReport, write_report
 from specdraft.audit.serve import audit_serve
@@ -37,7 +40,7 @@ __all__ = ["AuditConfig", "AuditReport", "Finding", "audit_run", "check_run", "r
 log = logging.getLogger(__name__)
 
 LINKS = (("data", audit_data), ("traces", audit_traces), ("training", audit_training), ("pack", audit_pack),
-         ("serve", audit_serve))
+         ("export", audit_export), ("serve", audit_serve))
 
 
 def check_run(cfg: AuditConfig) -> AuditReport:

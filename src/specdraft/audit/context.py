@@ -24,7 +24,7 @@ from specdraft.model.specs import load_tokenizer, weight_files
 log = logging.getLogger(__name__)
 
 STATUSES = ("pass", "fail", "warn", "skip")
-SECTIONS = ("data", "traces", "training", "pack", "serve")
+SECTIONS = ("data", "traces", "training", "pack", "export", "serve")
 
 
 @dataclass

@@ -3,7 +3,8 @@
 It proves that the weight file's bytes and sha256 are those of architecture.json and pack_recipe.json, its
 QD04 header and payload checksum verify, and its per-tensor group sizes are the recorded ones; that the recipe's
 source is the checkpoint training wrote (and still on disk); that gptq calibration traces still hold the
-recorded bytes; that the config and tokenizer files are the checkpoint's, byte for byte; and, for the demo's
+recorded bytes; that the config and tokenizer files are the checkpoint's, byte for byte, and generation_config.json
+the checkpoint's plus the draft's recorded assisted-generation settings; and, for the demo's
 self-draft (RUN_DIR/model_self), that its file matches its records and it packed the target's own weights.
 """
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.audit.context import AuditContext, lookup, short
+from specdraft.model.export import ASSISTED_GENERATION, GENERATION_CONFIG
 from specdraft.model.loader import TOKENIZER_FILES, WEIGHT_FILE
 from specdraft.quant import qd4
 
@@ -166,3 +168,39 @@ def _side_files(ctx: AuditContext) -> None:
             "config/tokenizer files are not the checkpoint's" if differ else
             f"config.json and {len(names) - 1} tokenizer files are the checkpoint's, byte for byte",
             [ctx.cite(md / "config.json"), ctx.cite(ck / "config.json")], differ)
+    _generation_config(ctx)
+
+
+def _generation_config(ctx: AuditContext) -> None:
+    """generation_config.json is the checkpoint's (eos / bos / pad ids and the rest, as JSON values) plus the
+    draft's assisted-generation settings, which pack_recipe.json records (a pack from before that record: the
+    checkpoint's file, byte for byte)."""
+    md, ck = ctx.paths.model_dir, ctx.paths.checkpoint
+    a, b, rp = md / GENERATION_CONFIG, ck / GENERATION_CONFIG, md / "pack_recipe.json"
+    if not a.is_file() or not b.is_file():
+        if a.is_file() != b.is_file():
+            ctx.add("generation config", "fail", f"{GENERATION_CONFIG}: missing from "
+                    f"{'the model dir' if not a.is_file() else 'the checkpoint'}", [ctx.cite(a), ctx.cite(b)])
+        return
+    recorded = (ctx.json(rp) or {}).get("assisted_generation")
+    cites = [ctx.cite(a), ctx.cite(b), ctx.cite(rp, "assisted_generation")]
+    if recorded is None:
+        same = ctx.sha(a) == ctx.sha(b)
+        ctx.add("generation config", "pass" if same else "fail",
+                f"{GENERATION_CONFIG} is the checkpoint's, byte for byte" if same else
+                f"{GENERATION_CONFIG} differs from the checkpoint's and pack_recipe.json records no assisted-"
+                "generation settings", cites[:2])
+        return
+    model, checkpoint = ctx.json(a), ctx.json(b)
+    if model is None or checkpoint is None:
+        return
+    differ = [f"{k}: {model.get(k)!r} in the model dir, {checkpoint.get(k)!r} in the checkpoint"
+              for k in sorted(set(model) | set(checkpoint)) if k not in ASSISTED_GENERATION
+              and model.get(k) != checkpoint.get(k)]
+    settings = {k: model.get(k) for k in ASSISTED_GENERATION}
+    if settings != recorded:
+        differ.append(f"assisted-generation settings {settings} are not pack_recipe.json's {recorded}")
+    ctx.add("generation config", "fail" if differ else "pass",
+            f"{GENERATION_CONFIG} is not the checkpoint's plus the recorded draft settings" if differ else
+            f"{GENERATION_CONFIG} is the checkpoint's (every field) plus the recorded assisted-generation "
+            f"settings {recorded}", cites, differ)

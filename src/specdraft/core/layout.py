@@ -9,6 +9,8 @@ the same files. No torch.
     RUN_DIR/model/       config, generation config, tokenizer, draft.qd4,
                          architecture.json, pack_recipe.json                       (specdraft pack)
     RUN_DIR/model_self/  the target itself packed as a reference draft (the demo)  (specdraft pack)
+    RUN_DIR/export/      draft.gguf + draft.gguf.export.json, or an HF dir with
+                         export_record.json                                        (specdraft export)
     RUN_DIR/audit/       audit.md, audit.json                                      (specdraft audit)
 
 The main files can each be given elsewhere; the records a stage writes beside its output follow it.

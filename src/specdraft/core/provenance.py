@@ -56,9 +56,10 @@ def setup_file_logging(log_path: str | os.PathLike, name: str = "specdraft") -> 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(log_path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
     logger = logging.getLogger(name)
     logger.addHandler(handler)
-    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+    if logger.getEffectiveLevel() > logging.INFO:  # the file keeps INFO whatever the console shows
         logger.setLevel(logging.INFO)
     return handler
 

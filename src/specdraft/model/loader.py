@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from transformers.initialization import no_init_weights
 
 from specdraft.core.io import read_json, sha256_file
+from specdraft.model.device import resolve_device
 from specdraft.model.specs import describe_source, load_config, weight_file_problems
 from specdraft.quant import q4g, qd4
 from specdraft.quant.linear import Compute, apply_compute
@@ -44,16 +45,18 @@ class ModelLoadError(ValueError):
 
 
 def load_draft(model_dir: str | os.PathLike, compute: Compute = "float32", *, weights: str | os.PathLike | None = None,
-               dense_prefill: bool = True) -> tuple[nn.Module, dict[str, Any]]:
+               dense_prefill: bool = True, device: str = "cpu") -> tuple[nn.Module, dict[str, Any]]:
     """(model in eval mode, source record) for a draft model dir.
 
     A packed dir goes through ``load_packed_model`` (``weights``, when given, must be the dir's own QD04 file);
     a dir without a QD04 file through ``from_pretrained``. ``compute`` swaps the linear layers
     (``apply_compute``; int4 runs the QD04 codes, or codes made at load for float weights; ``dense_prefill``:
-    its prefill pass on a dense bf16 copy). The source record says what was loaded: path, format (qd4 | hf),
-    weights sha256, load info and the compute summary.
+    its prefill pass on a dense bf16 copy) and the model moves to ``device`` (``auto``: cuda when available; int4
+    off the CPU runs in bfloat16). The source record says what was loaded: path, format (qd4 | hf), weights
+    sha256, load info, the compute summary and the device.
     """
     started = time.time()
+    device = resolve_device(device)
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise ModelLoadError(f"{model_dir}: not a model dir (config.json is missing)")
@@ -75,9 +78,10 @@ def load_draft(model_dir: str | os.PathLike, compute: Compute = "float32", *, we
         log.info("loaded %s with from_pretrained (no QD04 weight file)", model_dir)
         source = {**describe_source(model_dir), "format": "hf"}
     source["compute"] = compute
-    source["compute_summary"] = apply_compute(model, compute, quantized, group_size, dense_prefill)
+    source["compute_summary"] = apply_compute(model, compute, quantized, group_size, dense_prefill, device)
+    source["device"] = device
     source["seconds"] = round(time.time() - started, 3)
-    return model.eval(), source
+    return model.to(device).eval(), source
 
 
 def packed_weight_file(model_dir: str | os.PathLike) -> Path | None:

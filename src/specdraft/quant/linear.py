@@ -208,7 +208,8 @@ def _weight_name_for(model: nn.Module, linear_name: str, linear: nn.Linear) -> s
 
 
 def apply_compute(model: nn.Module, compute: Compute, quantized: dict[str, Any] | None = None,
-                  group_size: int = q4g.DEFAULT_GROUP_SIZE, dense_prefill: bool = True) -> dict[str, Any]:
+                  group_size: int = q4g.DEFAULT_GROUP_SIZE, dense_prefill: bool = True,
+                  device: str = "cpu") -> dict[str, Any]:
     """Swap the model's nn.Linear modules for the chosen format, in place; return a summary.
 
     For int4, ``quantized`` maps stored tensor names to what a QD04 file holds (``qd4.load_qd4_quantized``):
@@ -216,13 +217,21 @@ def apply_compute(model: nn.Module, compute: Compute, quantized: dict[str, Any] 
     take its shape -- except a raw head (an f16 embedding kept on purpose), which searches on codes made at
     load and rescores its top candidates from the stored rows (``Int4Linear(exact_rows=)``). With no file
     (``quantized`` None: float weights from from_pretrained) each linear is quantised now with ``q4g.quantize``
-    (the packer's quantiser).
+    (the packer's quantiser). ``Int4Linear`` runs torch's CPU int4 kernel, so on another ``device`` int4 becomes
+    bfloat16 (said in the log and in the summary's ``int4_fallback``).
     """
     if compute not in ("float32", "bfloat16", "int4"):
         raise ValueError(f"compute must be float32, bfloat16 or int4, got {compute!r}")
+    fallback = None
+    if compute == "int4" and torch.device(device).type != "cpu":
+        fallback = (f"int4 on {device}: Int4Linear runs torch's CPU int4 kernel; the linear layers run in bfloat16 "
+                    f"on {device} instead")
+        log.warning(fallback)
+        compute = "bfloat16"
     summary: dict[str, Any] = {"compute": compute, "from_codes": 0, "quantised_at_load": 0,
                                "bf16_fallback": [], "linear_weight_bytes": 0,
-                               "dense_prefill": bool(dense_prefill and compute == "int4")}
+                               "dense_prefill": bool(dense_prefill and compute == "int4"),
+                               **({"int4_fallback": fallback} if fallback else {})}
     linears = _linear_modules(model)
     head = model.get_output_embeddings()
     phase = Phase() if summary["dense_prefill"] else None

@@ -185,7 +185,7 @@ def create_app(config: ServeConfig, engine: Any = None,
     def load() -> None:
         try:
             loaded = load_engine(config.model_dir, config.weights, config.compute, config.model_name,
-                                 config.dense_prefill, config.lean)
+                                 config.dense_prefill, config.lean, config.device)
             if loaded.vocab_size != vocab_size:
                 raise ValueError(f"loaded vocab {loaded.vocab_size} != config.json vocab {vocab_size}")
             state.start(loaded)

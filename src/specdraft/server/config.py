@@ -41,6 +41,8 @@ class ServeConfig(StageConfig):
                               "chunk takes at most --long-share of the worker's time")
     long_share: float = Field(0.25, gt=0, lt=1, description="most of the worker's time long prefills take while "
                                                             "short requests wait or run")
+    device: str = Field("auto", description="torch device: auto (cuda when available, else cpu), cpu, cuda or "
+                                            "cuda:N; int4 off the CPU runs in bfloat16")
     threads: int | None = Field(None, ge=1, le=256,
                                 description="torch intra-op threads (default: CPUs - 1, leaving one core to the "
                                             "HTTP side; at least 1)")

@@ -107,18 +107,20 @@ def heap_trimmer() -> Callable[[], None] | None:
 
 
 def load_engine(model_dir: str | os.PathLike, weights: str | os.PathLike | None, compute: Compute,
-                name: str | None = None, dense_prefill: bool = True, lean: bool = True) -> Engine:
+                name: str | None = None, dense_prefill: bool = True, lean: bool = True, device: str = "cpu") -> Engine:
     """The draft for serving (``model.loader.load_draft``), its decode steps' lean forward built now (q/k/v
     fused once) so that the first request does not pay for it."""
-    model, source = load_draft(model_dir, compute, weights=weights, dense_prefill=dense_prefill)
+    model, source = load_draft(model_dir, compute, weights=weights, dense_prefill=dense_prefill, device=device)
     summary = source["compute_summary"]
     lean_reason = ("off (--no-lean)" if not lean else
                    f"off: {lean_unsupported(model)}" if lean_forward(model) is None else "on")
-    info = {**source.get("load_info", {}), **summary, "lean_forward": lean_reason, "seconds": source["seconds"]}
+    info = {**source.get("load_info", {}), **summary, "lean_forward": lean_reason, "seconds": source["seconds"],
+            "device": source["device"]}
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    log.info("draft ready: compute=%s, %d linear layers from QD04 codes, %d quantised at load, "
-             "%.1f MB of linear weights per token, lean decode %s, %.2fs", compute, summary["from_codes"],
-             summary["quantised_at_load"], summary["linear_weight_bytes"] / 1e6, lean_reason, source["seconds"])
-    return Engine(model=model, name=name or Path(model_dir).resolve().name, compute=compute,
+    log.info("draft ready on %s: compute=%s, %d linear layers from QD04 codes, %d quantised at load, "
+             "%.1f MB of linear weights per token, lean decode %s, %.2fs", source["device"], summary["compute"],
+             summary["from_codes"], summary["quantised_at_load"], summary["linear_weight_bytes"] / 1e6, lean_reason,
+             source["seconds"])
+    return Engine(model=model, name=name or Path(model_dir).resolve().name, compute=summary["compute"],
                   vocab_size=int(text.vocab_size), max_positions=getattr(text, "max_position_embeddings", None),
                   weights=source.get("weights"), load_info=info, lean=lean)

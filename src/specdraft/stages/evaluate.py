@@ -26,6 +26,7 @@ from specdraft.drafting.batched import ModelDrafter
 from specdraft.drafting.hybrid import HybridDrafter
 from specdraft.drafting.lookup import LookupDrafter
 from specdraft.drafting.remote import HTTPDrafter
+from specdraft.model.device import DEVICE_HELP
 from specdraft.model.loader import load_draft
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class EvalConfig(StageConfig):
     plots: bool = Field(True, description="write PNG plots")
     threads: int | None = Field(None, ge=1, description="torch CPU threads for an in-process drafter (None: "
                                                         "torch's default)")
+    device: str = Field("auto", description=f"in-process drafter: {DEVICE_HELP}; int4 off the CPU runs in bfloat16")
     hybrid_min_ngram: int | None = Field(
         None, ge=1, le=4, description="with --server or --model-dir: prompt lookup first wherever the context's "
                                       "last N (or more, up to 4) tokens occurred before, the model only elsewhere "
@@ -76,7 +78,7 @@ def build_drafter(config: EvalConfig):
         drafter, source = (HTTPDrafter(config.server, config.concurrency, config.timeout_s),
                            {"kind": "http", "url": config.server})
     else:
-        model, source = load_draft(config.model_dir, config.compute)
+        model, source = load_draft(config.model_dir, config.compute, device=config.device)
         name = f"{source['format']}:{Path(config.model_dir).name}"
         drafter, source = (ModelDrafter(model, name=name, max_batch_size=config.batch_size),
                            {"kind": "in-process", **source})

@@ -40,7 +40,7 @@ from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.core.records import read_answers
 from specdraft.core.stage import LABEL_FIELDS, Progress, StageResult, check_resume, peak_rss_mb, row_ids, side_paths
 from specdraft.model.chat import encode_prompts, has_chat_template
-from specdraft.model.device import resolve_device
+from specdraft.model.device import DEVICE_HELP, resolve_device
 from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_model, load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class LabelConfig(StageConfig):
     max_seq_len: int = Field(1024, ge=16, description="prompt + answer tokens at most (the answer is cut)")
     min_answer_tokens: int = Field(8, ge=1, description="skip rows whose answer is shorter than this")
     batch_tokens: int = Field(8192, ge=64, description="padded tokens per forward pass")
-    device: str = Field("auto", description="torch device (auto: cuda when available, else cpu)")
+    device: str = Field("auto", description=DEVICE_HELP)
     threads: Optional[int] = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
 
 

@@ -23,8 +23,9 @@ from pydantic import Field, model_validator
 from transformers import AutoModelForCausalLM
 
 from specdraft.core.config import StageConfig
-from specdraft.core.io import atomic_write_json, make_shareable_dir, sha256_file
+from specdraft.core.io import atomic_write_json, make_shareable_dir, read_json, sha256_file
 from specdraft.core.provenance import run_metadata, stage_log
+from specdraft.model.export import ASSISTED_GENERATION, GENERATION_CONFIG, draft_generation_config
 from specdraft.model.loader import ARCHITECTURE_FILE, RECIPE_FILE, TOKENIZER_FILES, WEIGHT_FILE
 from specdraft.model.specs import load_config, resolve_model, weights_sha256
 from specdraft.quant import q4g, qd4
@@ -126,7 +127,7 @@ def run_pack(cfg: PackConfig) -> PackResult:
                                    quantized=quantized, group_sizes=group_sizes)
             nbytes = (tmp / WEIGHT_FILE).stat().st_size
             file_sha = sha256_file(tmp / WEIGHT_FILE)
-            _copy_side_files(src, tmp, model)
+            assisted = _copy_side_files(src, tmp, model)
             atomic_write_json(tmp / ARCHITECTURE_FILE, _architecture(model, tensors, nbytes, file_sha, header))
             seconds = round(time.time() - started, 3)
             atomic_write_json(tmp / RECIPE_FILE, {
@@ -135,6 +136,8 @@ def run_pack(cfg: PackConfig) -> PackResult:
                 "format": {"magic": qd4.MAGIC.decode(), "version": qd4.FORMAT_VERSION, "bits": q4g.BITS,
                            "group_size": cfg.group_size, "alignment": qd4.ALIGN, "fit": cfg.fit},
                 "encodings": encodings,
+                # what generation_config.json adds to the checkpoint's: the draft's assisted-generation settings
+                "assisted_generation": assisted,
                 # q4g tensors stored at another G than group_size (their lossless grid), by name
                 "group_sizes": group_sizes,
                 **({"calibration": calibration} if calibration else {}),
@@ -212,17 +215,25 @@ def _load_source(src: Path):
     return model.eval()
 
 
-def _copy_side_files(src: Path, out: Path, model) -> None:
+def _copy_side_files(src: Path, out: Path, model) -> dict[str, Any]:
+    """config.json and the tokenizer files as they are; generation_config.json with the draft's assisted-generation
+    settings added (returned), so that transformers' ``generate(assistant_model=draft)`` reads the draft's own."""
     shutil.copy2(src / "config.json", out / "config.json")
-    if (src / "generation_config.json").is_file():
-        shutil.copy2(src / "generation_config.json", out / "generation_config.json")
+    if (src / GENERATION_CONFIG).is_file():
+        base = read_json(src / GENERATION_CONFIG)
     elif model.generation_config is not None:
         model.generation_config.save_pretrained(out)
+        base = read_json(out / GENERATION_CONFIG)
+    else:
+        base = {}
+    generation = draft_generation_config(base)
+    atomic_write_json(out / GENERATION_CONFIG, generation)
     copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
     if not copied:
         raise ValueError(f"{src}: no tokenizer files (expected some of {', '.join(TOKENIZER_FILES)})")
     for name in copied:
         shutil.copy2(src / name, out / name)
+    return {k: generation[k] for k in ASSISTED_GENERATION}
 
 
 def _architecture(model, tensors: dict[str, torch.Tensor], nbytes: int, sha: str, header: qd4.QD4Header):

@@ -256,7 +256,6 @@ def run_selfcheck(config: SelfcheckConfig) -> int:
     model_dir = Path(config.model_dir)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     checks = Checks()
     statuses: list[tuple[str, int]] = []
     started = time.time()

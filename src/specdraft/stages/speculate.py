@@ -32,6 +32,7 @@ from specdraft.drafting.lookup import LookupDrafter
 from specdraft.drafting.remote import HTTPDrafter
 from specdraft.drafting.timing import Prompt, run_speculation_bench
 from specdraft.model.chat import encode_prompts
+from specdraft.model.device import DEVICE_HELP, resolve_device
 from specdraft.model.lean import CompiledSteps
 from specdraft.model.loader import load_draft
 from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_model, load_tokenizer, tokenizer_fingerprint
@@ -90,6 +91,8 @@ class SpeculateConfig(StageConfig):
                             "kernel, as the server runs them: the fewest bytes per draft step), bfloat16 or "
                             "float32 (the target always runs as loaded)")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
+    device: str = Field("auto", description=f"the target's and the in-process drafts' {DEVICE_HELP}; int4 drafts "
+                                            "off the CPU run in bfloat16")
     warmup: bool = Field(True, description="one short untimed run of every configuration first")
     repeats: int = Field(1, ge=1, le=100, description="passes over the prompts (each drafter and k also reports its "
                                                       "speed-up per pass: median and range)")
@@ -204,7 +207,7 @@ def _in_process_draft(path: str, not_a_dir: str, config: SpeculateConfig, target
     if not draft_dir.is_dir():
         raise ValueError(not_a_dir)
     _check_tokenizer(draft_dir, target_tokenizer)
-    model, source = load_draft(draft_dir, config.draft_compute)
+    model, source = load_draft(draft_dir, config.draft_compute, device=config.device)
     return model, {"kind": "in-process", **source}
 
 
@@ -312,7 +315,7 @@ def run_speculate(config: SpeculateConfig) -> int:
         if config.clock == "cpu" and config.draft.startswith(("http://", "https://")):
             log.warning("clock=cpu with a draft server: the server's CPU time is not counted")
         tokenizer = load_tokenizer(config.target)
-        target = load_model(config.target, dtype=getattr(torch, config.dtype))
+        target = load_model(config.target, dtype=getattr(torch, config.dtype), device=resolve_device(config.device))
         prompts = load_prompts(config.prompts, tokenizer, config.num_prompts, config.chat_template)
         drafters = build_drafters(config, tokenizer)
         log.info("%d prompts, drafters %s, k %s, %d new tokens", len(prompts), [d[0] for d in drafters],

@@ -64,7 +64,7 @@ from specdraft.core.stage import (
 )
 from specdraft.model.chat import encode_prompts, has_chat_template
 from specdraft.model.decode import Generation, eos_token_ids, iter_greedy
-from specdraft.model.device import resolve_device
+from specdraft.model.device import DEVICE_HELP, resolve_device
 from specdraft.model.specs import (
     DEFAULT_TARGET,
     describe_source,
@@ -88,7 +88,7 @@ class _DecodeFields(StageConfig):
     batch_size: int = Field(32, ge=1, description="hf backend: rows decoded together (finished rows are "
                                                   "replaced by waiting prompts)")
     backend: Backend = Field("hf", description="hf: specdraft's decode loop (CPU or GPU); vllm: vllm.LLM (GPU)")
-    device: str = Field("auto", description="hf backend: torch device (auto: cuda when available, else cpu)")
+    device: str = Field("auto", description=f"hf backend: {DEVICE_HELP}")
     limit: int | None = Field(None, ge=1, description="take only the first N prompts of the file")
     tensor_parallel_size: int = Field(1, ge=1, description="vllm backend: GPUs per model (tensor parallel)")
     vllm_chunk: int = Field(1024, ge=1, description="vllm backend: prompts per LLM.generate() call; output is "
@@ -163,11 +163,11 @@ class VLLMBackend:
     def __init__(self, spec: str, tensor_parallel_size: int, chunk: int, llm: Any = None, vllm_module: Any = None):
         path = resolve_model(spec)
         if vllm_module is None:
-            try:
-                import vllm as vllm_module  # noqa: F811  (optional dependency: pip install 'specdraft[vllm]')
+            try:  # here, not at the top: an optional, heavy, GPU-only dependency that pins its own torch
+                import vllm as vllm_module  # noqa: F811
             except ImportError as e:
-                raise RecordFileError("backend 'vllm' needs the vllm package (pip install 'specdraft[vllm]', on a "
-                                  "machine with a GPU); use --backend hf otherwise") from e
+                raise ValueError("backend 'vllm' needs the vllm package (pip install vllm, on a machine with a GPU; "
+                                 "not tested here); use --backend hf otherwise") from e
         self.vllm = vllm_module
         self.llm = llm if llm is not None else vllm_module.LLM(
             model=str(path), tokenizer=str(path), dtype="float32", tensor_parallel_size=tensor_parallel_size,

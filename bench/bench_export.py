@@ -1,0 +1,359 @@
+"""Benchmark the exports against readers that are not specdraft's: transformers (GGUF and HF) and llama.cpp.
+
+    .venv/bin/python bench/bench_export.py --out bench/out/export.json [--model-dir PACKED_DIR]
+        [--validation VALIDATION.jsonl] [--points 512] [--work-dir DIR]
+
+1. The packed draft: --model-dir, else the embedded target packed with the defaults (`specdraft pack`), the
+   self-draft. Evaluation points: --validation, else `specdraft validation` of the MT-bench prompts.
+2. GGUF (`specdraft export --format gguf`): transformers' ``from_pretrained(gguf_file=)`` reads the file back;
+   its weights against ``load_draft(dir, "float32")``'s, bit for bit, and its greedy drafts (16 tokens, its own
+   forward and cache) against the packed draft's (``draft_batch``) on every point. A draft that differs is shown
+   with the packed draft's top-2 logit gap where they part (a near-tie, or not).
+3. llama.cpp, when llama-cpp-python is installed: the same drafts from llama.cpp running the file (its Q4_1
+   kernels quantise activations to 8 bits, so agreement, not identity, is expected); llama.cpp's draft/target
+   vocabulary check (``common_speculative_are_compatible``) against the embedded target's GGUF; and speculative
+   decoding inside llama-cpp-python with the target GGUF and this draft, against the target's plain greedy, with
+   llama-cpp-python's own prompt-lookup drafter in the same loop as a control (a difference both show comes from
+   the target's multi-token verification passes; the first one of ours is shown with the target's top-2 logits
+   in a one-token and a multi-token pass).
+4. HF (`specdraft export --format hf`, bf16): transformers' ``target.generate(assistant_model=draft)`` against
+   the target's plain greedy on the points at offset 0 (the prompts); acceptance per step from transformers'
+   own candidate generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+from specdraft.core.io import atomic_write_json
+from specdraft.core.provenance import run_metadata
+from specdraft.core.records import load_validation
+from specdraft.model.decode import cache_kwargs, draft_batch
+from specdraft.model.loader import load_draft
+from specdraft.model.specs import DEFAULT_TARGET, embedded_gguf_path, resolve_model
+from specdraft.stages.export import ExportConfig, run_export
+from specdraft.stages.pack import PackConfig, run_pack
+from specdraft.stages.traces import ValidationConfig, run_validation
+
+MT_BENCH = Path("/work/shared/data/dev/mt_bench.jsonl")
+K = 16
+
+
+@torch.inference_mode()
+def hf_greedy(model, context: list[int], n: int) -> list[int]:
+    cache, ids, out = DynamicCache(), torch.tensor([context]), []
+    for _ in range(n):
+        logits = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[0, -1]
+        out.append(int(logits.argmax()))
+        ids = torch.tensor([[out[-1]]])
+    return out
+
+
+@torch.inference_mode()
+def top2_gap(model, ids: list[int]) -> tuple[float, list[int]]:
+    """The float32 logit gap between the top two tokens after ``ids`` (a near-tie when tiny), and those two."""
+    logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    return float(top.values[0] - top.values[1]), top.indices.tolist()
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
+    prefix = [next((i for i, (x, y) in enumerate(zip(u, v)) if x != y), len(u)) for u, v in zip(a, b)]
+    n = len(a)
+    return {"points": n, "identical": sum(p == K for p in prefix), "identical_fraction": round(
+        sum(p == K for p in prefix) / n, 4), "first_token_agree": round(sum(p > 0 for p in prefix) / n, 4),
+        "mean_common_prefix": round(statistics.fmean(prefix), 3)}
+
+
+def differences(model, contexts, ours, theirs, limit: int = 20) -> list[dict[str, Any]]:
+    out = []
+    for i, (c, u, v) in enumerate(zip(contexts, ours, theirs)):
+        if u == v:
+            continue
+        j = next(j for j, (x, y) in enumerate(zip(u, v)) if x != y)
+        gap, top = top2_gap(model, list(c) + u[:j])
+        out.append({"point": i, "position": j, "packed": u[j], "other": v[j], "packed_top2": top,
+                    "packed_top2_logit_gap": gap})
+        if len(out) >= limit:
+            break
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+
+def bench_gguf(model_dir: Path, work: Path, contexts: list[list[int]], packed, ours) -> dict[str, Any]:
+    t = time.time()
+    res = run_export(ExportConfig(model_dir=str(model_dir), format="gguf", out=str(work / "draft.gguf"),
+                                  overwrite=True))
+    record = json.loads(res.record.read_text())
+    out: dict[str, Any] = {"export_seconds": round(time.time() - t, 2), "bytes": record["output"]["bytes"],
+                           "qd4_bytes": record["source"]["weight_files"][0]["bytes"],
+                           "tensor_types": record["tensor_types"], "all_exact": record["exact"],
+                           "not_exact": record["not_exact"], "tokenizer": record["tokenizer"]}
+    theirs = AutoModelForCausalLM.from_pretrained(work, gguf_file="draft.gguf", dtype=torch.float32).eval()
+    a, b = theirs.state_dict(), packed.state_dict()
+    out["transformers_weights_bit_equal"] = f"{sum(torch.equal(a[k], b[k]) for k in b if k in a)} of {len(b)}"
+    t = time.time()
+    drafts = [hf_greedy(theirs, c, K) for c in contexts]
+    out["transformers_draft_seconds"] = round(time.time() - t, 1)
+    out["transformers_vs_packed"] = agreement(ours, drafts)
+    out["transformers_differences"] = differences(packed, contexts, ours, drafts)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- llama.cpp
+
+class LlamaGreedy:
+    """llama.cpp (llama-cpp-python's low-level calls) drafting k greedy tokens, reusing its KV cache across calls
+    that share a prefix; usable as llama-cpp-python's ``draft_model``."""
+
+    def __init__(self, path: Path, n_ctx: int, threads: int, k: int = K):
+        import llama_cpp
+        self.lib = llama_cpp
+        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   verbose=False)
+        self.k, self.calls = k, []
+
+    def _logits(self) -> np.ndarray:
+        ptr = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),))
+
+    def draft(self, ids: list[int], k: int | None = None) -> list[int]:
+        llm, k = self.llm, k or self.k
+        have = llm.input_ids[:llm.n_tokens].tolist()
+        common = next((i for i, (x, y) in enumerate(zip(have, ids)) if x != y), min(len(have), len(ids)))
+        llm.n_tokens = min(common, len(ids) - 1)  # eval drops the cache from here on
+        llm.eval(ids[llm.n_tokens:])
+        out = []
+        for step in range(k):
+            out.append(int(np.argmax(self._logits())))
+            if step + 1 < k:
+                llm.eval([out[-1]])
+        return out
+
+    def __call__(self, input_ids, **kwargs):
+        ids = [int(x) for x in input_ids]
+        drafted = self.draft(ids)
+        self.calls.append((len(ids), drafted))
+        return np.array(drafted, dtype=np.intc)
+
+
+def vocab_compatible(target: Path, draft: Path) -> dict[str, Any]:
+    """llama.cpp's common_speculative_are_compatible (common/speculative.cpp), through its C API."""
+    import llama_cpp as L
+    params = L.llama_model_default_params()
+    params.vocab_only = True
+    models = [L.llama_model_load_from_file(str(p).encode(), params) for p in (target, draft)]
+    t, d = (L.llama_model_get_vocab(m) for m in models)
+    n_t, n_d = L.llama_vocab_n_tokens(t), L.llama_vocab_n_tokens(d)
+    differ = [i for i in range(5, min(n_t, n_d)) if L.llama_vocab_get_text(t, i) != L.llama_vocab_get_text(d, i)]
+    out = {"vocab_type": [L.llama_vocab_type(t), L.llama_vocab_type(d)],
+           "add_bos": [L.llama_vocab_get_add_bos(t), L.llama_vocab_get_add_bos(d)],
+           "bos": [L.llama_vocab_bos(t), L.llama_vocab_bos(d)], "add_eos": [L.llama_vocab_get_add_eos(t),
+           L.llama_vocab_get_add_eos(d)], "eos": [L.llama_vocab_eos(t), L.llama_vocab_eos(d)],
+           "n_tokens": [n_t, n_d], "token_texts_differing": len(differ)}
+    out["compatible"] = (out["vocab_type"][0] == out["vocab_type"][1] and out["add_bos"][0] == out["add_bos"][1]
+                         and (not out["add_bos"][0] or out["bos"][0] == out["bos"][1])
+                         and out["add_eos"][0] == out["add_eos"][1]
+                         and (not out["add_eos"][0] or out["eos"][0] == out["eos"][1])
+                         and abs(n_t - n_d) <= 128 and not differ)
+    for m in models:
+        L.llama_model_free(m)
+    return out
+
+
+def bench_llama_cpp(work: Path, contexts, ours, prompts, threads: int, spec_tokens: int, k: int) -> dict[str, Any]:
+    try:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError as e:
+        return {"skipped": f"llama-cpp-python is not installed ({e})"}
+    out: dict[str, Any] = {"llama_cpp_python": llama_cpp.__version__}
+    n_ctx = max(map(len, contexts)) + K + spec_tokens + 64
+    drafter = LlamaGreedy(work / "draft.gguf", n_ctx, threads)
+    t = time.time()
+    drafts = [drafter.draft(list(c)) for c in contexts]
+    out["draft_seconds"] = round(time.time() - t, 1)
+    out["llama_cpp_vs_packed"] = agreement(ours, drafts)
+    target_gguf = embedded_gguf_path(DEFAULT_TARGET.removeprefix("embedded:"))
+    out["vocab_check_against_target_gguf"] = {"target": target_gguf.name, **vocab_compatible(target_gguf,
+                                                                                              work / "draft.gguf")}
+    # speculative decoding in llama-cpp-python: the target GGUF verifies what llama.cpp drafts with draft.gguf
+    target = llama_cpp.Llama(str(target_gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                             verbose=False)
+    spec_drafter = LlamaGreedy(work / "draft.gguf", n_ctx, threads, k=k)
+    speculating = llama_cpp.Llama(str(target_gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                  verbose=False, draft_model=spec_drafter)
+    same, accepted, plain_s, spec_s, mismatches = 0, [], 0.0, 0.0, []
+    for p, ids in enumerate(prompts):
+        t = time.time()
+        plain = _llama_generate(target, ids, spec_tokens)
+        plain_s += time.time() - t
+        spec_drafter.calls.clear()
+        t = time.time()
+        spec = _llama_generate(speculating, ids, spec_tokens)
+        spec_s += time.time() - t
+        same += spec == plain
+        if spec != plain:
+            j = next(j for j, (u, v) in enumerate(zip(plain, spec)) if u != v)
+            mismatches.append({"prompt": p, "position": j, "plain": plain[j], "speculative": spec[j],
+                               **_near_tie(target, list(ids), plain[:j], k + 1)})
+        full = list(ids) + spec
+        for pos, drafted in spec_drafter.calls:
+            accepted.append(next((i for i, x in enumerate(drafted) if pos + i >= len(full) or full[pos + i] != x),
+                                 len(drafted)))
+    # control: llama-cpp-python's own drafter (prompt lookup) in the same loop; where it too changes the output,
+    # the change comes from the target's verification passes, not from what was drafted
+    lookup = llama_cpp.Llama(str(target_gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                             verbose=False, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))
+    control = sum(_llama_generate(lookup, ids, spec_tokens) == _llama_generate(target, ids, spec_tokens)
+                  for ids in prompts)
+    out["speculative"] = {"target": target_gguf.name, "prompts": len(prompts), "new_tokens": spec_tokens,
+                          "control_prompt_lookup_equal_to_plain_greedy": f"{control} of {len(prompts)}",
+                          "k": k, "outputs_equal_to_plain_greedy": f"{same} of {len(prompts)}",
+                          "mismatches": mismatches,
+                          "mean_accepted_per_draft": round(statistics.fmean(accepted), 3) if accepted else None,
+                          "plain_seconds": round(plain_s, 2), "speculative_seconds": round(spec_s, 2)}
+    return out
+
+
+def _near_tie(llm, ids: list[int], tokens: list[int], batch: int) -> dict[str, Any]:
+    """The target's next-token logits after ids + tokens as plain greedy computes them (the generated tokens one
+    at a time) and as a verification pass does (the last ``batch`` positions in one batch): top two and gap."""
+    import llama_cpp
+    out = {}
+    for label, tail in (("one_token_pass", 1), ("multi_token_pass", batch)):
+        llm.reset()
+        seq = ids + tokens
+        tail = min(tail, len(tokens)) or 1
+        llm.eval(seq[:len(ids)] if len(seq) - tail >= len(ids) else seq[:len(seq) - tail])
+        for tok in seq[llm.n_tokens:len(seq) - tail]:
+            llm.eval([tok])
+        llm.eval(seq[llm.n_tokens:])
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+        top = np.argsort(logits)[::-1][:2]
+        out[label] = {"top2": [int(t) for t in top], "logit_gap": float(logits[top[0]] - logits[top[1]])}
+    llm.reset()
+    return out
+
+
+def _llama_generate(llm, ids: list[int], n: int) -> list[int]:
+    out = []
+    for tok in llm.generate(list(ids), temp=0.0, top_k=1, reset=True):
+        out.append(int(tok))
+        if len(out) >= n:
+            break
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- HF
+
+def bench_hf(model_dir: Path, work: Path, prompts, new_tokens: int) -> dict[str, Any]:
+    res = run_export(ExportConfig(model_dir=str(model_dir), format="hf", out=str(work / "hf"), overwrite=True))
+    record = json.loads(res.record.read_text())
+    target = AutoModelForCausalLM.from_pretrained(resolve_model(DEFAULT_TARGET), dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(work / "hf").eval()
+    matches: list[int] = []
+    real = AssistedCandidateGenerator.update_candidate_strategy
+
+    def record_matches(self, input_ids, scores, num_matches):
+        matches.append(int(num_matches))
+        return real(self, input_ids, scores, num_matches)
+    AssistedCandidateGenerator.update_candidate_strategy = record_matches
+    pad = target.generation_config.pad_token_id
+    same, plain_s, assisted_s, mismatches = 0, 0.0, 0.0, []
+    try:
+        for p, ids in enumerate(prompts):
+            x = torch.tensor([ids])
+            t = time.time()
+            plain = target.generate(x, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad)[0].tolist()
+            plain_s += time.time() - t
+            t = time.time()
+            assisted = target.generate(x, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad,
+                                       assistant_model=draft)[0].tolist()
+            assisted_s += time.time() - t
+            if assisted == plain:
+                same += 1
+                continue
+            j = next((j for j, (u, v) in enumerate(zip(plain, assisted)) if u != v), min(len(plain), len(assisted)))
+            gap, top = top2_gap(target, plain[:j]) if j < min(len(plain), len(assisted)) else (None, None)
+            mismatches.append({"prompt": p, "position": j - len(ids), "plain": plain[j:j + 1],
+                               "assisted": assisted[j:j + 1], "target_top2": top, "target_top2_logit_gap": gap})
+    finally:
+        AssistedCandidateGenerator.update_candidate_strategy = real
+    return {"dtype": record["dtype"], "bytes": sum(f["bytes"] for f in record["output"]["files"]),
+            "generation_config": record["generation_config"], "prompts": len(prompts), "new_tokens": new_tokens,
+            "outputs_equal_to_plain_greedy": f"{same} of {len(prompts)}", "mismatches": mismatches,
+            "steps": len(matches), "mean_accepted_per_step": round(statistics.fmean(matches), 3) if matches else None,
+            "plain_seconds": round(plain_s, 2), "assisted_seconds": round(assisted_s, 2)}
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+def run(args) -> dict[str, Any]:
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_export."))
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(args.model_dir) if args.model_dir else None
+    if model_dir is None:
+        model_dir = work / "model_self"
+        if not (model_dir / "draft.qd4").is_file():
+            run_pack(PackConfig(checkpoint=DEFAULT_TARGET, out=str(model_dir), overwrite=True))
+    validation = Path(args.validation) if args.validation else work / "validation" / "validation.jsonl"
+    if not args.validation:  # resumes a partial file
+        run_validation(ValidationConfig(prompts=MT_BENCH, out=validation, target=DEFAULT_TARGET,
+                                        max_new_tokens=args.validation_tokens, num_draft=K, device="cpu"))
+    points = load_validation(validation, k=K)[:args.points]
+    contexts = [p.context_ids for p in points]
+    prompts = [p.context_ids for p in points if p.offset == 0][:args.prompts]
+    packed, _ = load_draft(model_dir, "float32")
+    t = time.time()
+    ours = [d for i in range(0, len(contexts), 32) for d in draft_batch(packed, contexts[i:i + 32], K)]
+    report: dict[str, Any] = {"model_dir": str(model_dir), "validation": str(validation), "points": len(points),
+                              "packed_draft_seconds": round(time.time() - t, 1)}
+    report["gguf"] = bench_gguf(model_dir, work, contexts, packed, ours)
+    print(json.dumps(report["gguf"], indent=1)[:3000], flush=True)
+    if not args.skip_llama_cpp:
+        report["llama_cpp"] = bench_llama_cpp(work, contexts, ours, prompts, args.threads, args.new_tokens, args.k)
+        print(json.dumps(report["llama_cpp"], indent=1), flush=True)
+    report["hf"] = bench_hf(model_dir, work, prompts, args.new_tokens)
+    print(json.dumps(report["hf"], indent=1), flush=True)
+    return {**report, **run_metadata()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="JSON results file")
+    parser.add_argument("--model-dir", default=None, help="packed draft dir (default: the embedded target packed)")
+    parser.add_argument("--validation", default=None, help="validation.jsonl (default: made from MT-bench)")
+    parser.add_argument("--validation-tokens", type=int, default=128, help="target tokens per prompt when made")
+    parser.add_argument("--points", type=int, default=512, help="evaluation points compared (at most)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts of the generate / speculative runs")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt in those runs")
+    parser.add_argument("-k", type=int, default=4, help="draft tokens per step in llama-cpp-python's speculation")
+    parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
+    parser.add_argument("--skip-llama-cpp", action="store_true", help="skip llama.cpp even when installed")
+    parser.add_argument("--work-dir", default=None, help="exports, the packed self-draft, validation (default: temp)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    print("$", " ".join(["python", *sys.argv]), flush=True)
+    report = run(args)
+    atomic_write_json(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
