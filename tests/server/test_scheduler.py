@@ -149,6 +149,25 @@ def test_a_request_past_its_deadline_is_dropped_without_compute():
     assert late.key not in s.computed_keys and late.outcome == TIMED_OUT and (TIMED_OUT, False) in observer.drops
 
 
+def test_a_long_context_that_can_no_longer_make_its_deadline_is_dropped_before_its_prefill():
+    observer = Recorder()
+    long = FakeLane(1, 64, 4, delay=0.3)
+    s = Scheduler(FakeLane(2, 16, 4), long, num_draft=4, long_context_tokens=8, prefill_tokens=8,
+                  observer=observer).start()
+    try:
+        first = s.submit(list(range(16)), 4, 60)  # 2 chunks + 3 steps of 0.3 s: answered at 1.5 s
+        late = s.submit(list(range(1, 17)), 4, 2.4)  # as long again, but due 0.9 s after that
+        dropped_at = []
+        late.future.add_done_callback(lambda _: dropped_at.append(time.monotonic()))
+        assert first.future.result(10) == expected(range(16), 4)
+        with pytest.raises(TimeoutError):
+            late.future.result(10)
+    finally:
+        s.close(10)
+    assert late.key not in s.computed_keys and late.outcome == TIMED_OUT and (TIMED_OUT, False) in observer.drops
+    assert dropped_at[0] < late.deadline  # dropped for what it still needed, not for a deadline already past
+
+
 def test_work_that_cannot_meet_its_deadline_is_refused_at_once():
     s, short, _, _ = _scheduler(num_draft=16, delay=0.05)
     try:
@@ -158,6 +177,18 @@ def test_work_that_cannot_meet_its_deadline_is_refused_at_once():
             s.submit([3, 4], 16, 0.2)  # 16 iterations of >= 0.05 s cannot fit in 0.2 s
         assert time.perf_counter() - t < 0.1 and refused.value.retry_after > 0
         assert len(s.submit([5, 6], 16, 60).future.result(10)) == 16  # a reachable deadline is taken
+    finally:
+        s.close(10)
+
+
+def test_long_work_that_cannot_meet_its_deadline_is_refused_at_once_without_short_traffic():
+    s = Scheduler(FakeLane(2, 16, 4), FakeLane(1, 64, 4, delay=0.1), num_draft=4, long_context_tokens=8,
+                  prefill_tokens=8).start()
+    try:
+        assert s.submit(list(range(16)), 4, 60).future.result(10) == expected(range(16), 4)  # measures the costs
+        with pytest.raises(Overloaded):
+            s.submit(list(range(1, 17)), 4, 0.3)  # 2 chunks and 3 steps of >= 0.1 s
+        assert s.submit(list(range(2, 18)), 4, 60).future.result(10) == expected(range(2, 18), 4)
     finally:
         s.close(10)
 

@@ -12,7 +12,8 @@ iteration it
    the short requests by one chunk per iteration, never by its whole prefill.
 
 A request whose deadline the work ahead of it cannot meet, by the measured cost of iterations and prefill
-tokens, is refused at once (``Overloaded``: 503 + Retry-After) instead of timing out later. ``close`` stops
+tokens, is refused at once (``Overloaded``: 503 + Retry-After) instead of timing out later; a long one that can
+no longer meet it when its turn comes is dropped before its prefill. ``close`` stops
 taking requests, lets the running ones finish until its timeout, fails the rest, and joins the worker.
 
 The model side is two ``Lane`` objects (``server.engine.SlotLane``: a ``SlotDecoder`` keyed by request).
@@ -119,7 +120,10 @@ class Costs:
 
     iteration: float | None = None  # seconds of one iteration
     short_work: float | None = None  # seconds of one iteration's short-lane work (decode step + admissions)
-    per_token: float | None = None  # seconds per prefilled context token
+    per_token: float | None = None  # seconds per prefilled context token, short contexts (batched, whole)
+    # a long context's chunk attends over all of its prefix, so its tokens cost more than a short prefill's
+    long_per_token: float | None = None
+    long_step: float = 0.0  # seconds of the long lane's decode step, in the iterations that ran one
 
     @staticmethod
     def blend(old: float | None, new: float) -> float:
@@ -234,15 +238,13 @@ class Scheduler:
         """Seconds until a new request would be answered, from the running costs and the work queued ahead of
         it (called with the lock held); None until the costs have been measured."""
         c, load = self.costs, self._load
-        if c.iteration is None or c.per_token is None:
+        if c.iteration is None:
             return None
         inbox = [r for r in self._inbox if r.long == long]
         if long:
             ahead = load.long_tokens + sum(len(r.context) for r in inbox) + context_tokens
-            # a chunk per iteration, of the size short work leaves room for
-            chunk = max(self.chunk_tokens, self._chunk_size(busy=True))
-            requests = load.long_waiting + load.long_running + len(inbox) + 1
-            iterations = ahead / chunk + requests * self.num_draft
+            busy = load.short_waiting + load.short_running + sum(not r.long for r in self._inbox) > 0
+            return self._long_seconds(ahead, num_tokens, busy)
         else:
             ahead = load.short_tokens + sum(len(r.context) for r in inbox) + context_tokens
             rows = load.short_waiting + load.short_running + len(inbox) + 1
@@ -252,14 +254,32 @@ class Scheduler:
 
     def _chunk_size(self, busy: bool) -> int:
         """Tokens of a long prefill this iteration: all of the budget when no short work waits or runs, else the
-        share of the worker's time ``long_share`` allows beside the short lane's work."""
+        share of the worker's time ``long_share`` allows beside the short lane's work (less what the long lane's
+        own decode step takes)."""
         if not busy:
             return self.prefill_tokens
         c = self.costs
-        if c.short_work is None or c.per_token is None:
+        per_token = c.long_per_token or c.per_token
+        if c.short_work is None or per_token is None:
             return self.chunk_tokens
-        share = self.long_share / (1 - self.long_share) * c.short_work / c.per_token
-        return max(self.chunk_tokens // 4, min(self.prefill_tokens, int(share)), 1)
+        room = self.long_share / (1 - self.long_share) * c.short_work - c.long_step
+        return max(self.chunk_tokens // 4, min(self.prefill_tokens, int(room / per_token)), 1)
+
+    def _long_seconds(self, tokens: int, num_tokens: int, busy: bool) -> float | None:
+        """Seconds to prefill ``tokens`` of long context (one request's, or all queued ahead and its own) and decode
+        the last request's ``num_tokens``. Beside short work, a chunk per iteration of the measured length; alone,
+        prefill at the measured cost per token. The last chunk gives the first token, a decode step each further
+        one (earlier requests decode in the iterations that prefill later ones)."""
+        c = self.costs
+        if c.iteration is None:
+            return None
+        if busy:
+            return (math.ceil(tokens / self._chunk_size(busy)) + num_tokens - 1) * c.iteration
+        per_token = c.long_per_token or c.per_token
+        if per_token is None:
+            return None
+        step = c.long_step or c.iteration
+        return tokens * per_token + (math.ceil(tokens / self.prefill_tokens) + num_tokens - 1) * step
 
     # ------------------------------------------------------------------------------------------ worker side
 
@@ -304,7 +324,9 @@ class Scheduler:
         short_seconds = time.perf_counter() - short_started
         if self.long is not None:
             try:
-                self._step(self.long)
+                long_started = time.perf_counter()
+                if self._step(self.long):
+                    self.costs.long_step = Costs.blend(self.costs.long_step, time.perf_counter() - long_started)
                 prefill += self._prefill_long(busy=bool(self._waiting["short"]) or any(
                     not r.long for r in self._running.values()))
             except Exception as e:
@@ -348,11 +370,12 @@ class Scheduler:
         if self.observer is not None:
             self.observer.dropped(outcome, running)
 
-    def _step(self, lane: Lane | None) -> None:
+    def _step(self, lane: Lane | None) -> bool:
         if lane is None or not any((r.long == (lane is self.long)) and r.prefilled == len(r.context)
                                    for r in self._running.values()):
-            return
+            return False
         self._answer(lane, lane.step())
+        return True
 
     def _answer(self, lane: Lane, tokens: dict[int, list[int]]) -> None:
         """Resolve the requests that have their tokens, and take them out of the lane."""
@@ -389,7 +412,7 @@ class Scheduler:
                 self.computed_keys.add(r.key)
             started = time.perf_counter()
             tokens = self.short.admit([r.key for r in group], [r.context for r in group])
-            self._measure_prefill(width * len(group), time.perf_counter() - started)
+            self._measure_prefill(width * len(group), time.perf_counter() - started, long=False)
             spent += width * len(group)
             self._answer(self.short, tokens)
         return spent
@@ -398,6 +421,15 @@ class Scheduler:
         """One chunk of the long context being prefilled (starting the next one when the lane has room)."""
         if self._chunked is None:
             waiting = self._waiting["long"]
+            while waiting and self.long.free:
+                # one that can no longer finish by its deadline is dropped before any of it is computed
+                seconds = self._long_seconds(len(waiting[0].context), waiting[0].num_tokens, busy)
+                now = time.monotonic()
+                if seconds is None or now + seconds <= waiting[0].deadline:
+                    break
+                late = waiting.popleft()
+                late.outcome = TIMED_OUT
+                self._drop(late, now, running=False)
             if not waiting or not self.long.free:
                 return 0
             r = waiting.popleft()
@@ -411,15 +443,19 @@ class Scheduler:
         size = min(self._chunk_size(busy), len(r.context) - r.prefilled)
         started = time.perf_counter()
         tokens = self.long.prefill_chunk(r.key, r.context, r.prefilled, size)
-        self._measure_prefill(size, time.perf_counter() - started)
+        self._measure_prefill(size, time.perf_counter() - started, long=True)
         r.prefilled += size
         if r.prefilled == len(r.context):
             self._chunked = None
             self._answer(self.long, tokens)
         return size
 
-    def _measure_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens:
+    def _measure_prefill(self, tokens: int, seconds: float, long: bool) -> None:
+        if not tokens:
+            return
+        if long:
+            self.costs.long_per_token = Costs.blend(self.costs.long_per_token, seconds / tokens)
+        else:
             self.costs.per_token = Costs.blend(self.costs.per_token, seconds / tokens)
 
     def _fail_lane(self, lane: Lane, error: Exception) -> None:
