@@ -129,6 +129,10 @@ _LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 def jsonl_line(obj: Any) -> str:
     """The one JSONL writer: compact JSON, UTF-8 kept, line-breaking characters escaped (no newline added)."""
     line = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (json.loads accepts "\ud83d"): escaped, the row stays writable
+        line = json.dumps(obj, ensure_ascii=True, separators=(",", ":"))
     for ch, esc in _LINE_BREAKS.items():
         line = line.replace(ch, esc)
     return line
@@ -137,15 +141,17 @@ def jsonl_line(obj: Any) -> str:
 def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
     """(line number, value) for each non-blank line of a JSONL file this project wrote (torn last line already
     cut by ``repair_jsonl``); a line that is not JSON raises RecordFileError naming the file and line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    try:
+        for lineno, line in text_lines(path):
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise RecordFileError(f"{path}:{lineno}: not valid JSON ({e.msg}); the file is damaged beyond a "
-                                  "torn last line: move it away and rerun") from None
+                                      "torn last line: move it away and rerun") from None
+    except RecordFileError:
+        raise
+    except ValueError as e:  # text_lines: a line that is not UTF-8
+        raise RecordFileError(f"{e}; the file is damaged: move it away and rerun") from None
 
 
 def repair_jsonl(path: Path) -> int:
@@ -184,9 +190,12 @@ def drop_last_group(path: Path, key: str = "id") -> str | None:
     last_key, group_start, offset = None, 0, 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
+            if not raw.strip():  # blank lines are skipped, as read_jsonl skips them
+                offset += len(raw)
+                continue
             try:
                 k = json.loads(raw)[key]
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError):  # ValueError: not JSON, or not UTF-8
                 raise RecordFileError(f"{path}:{lineno}: not a JSON object with {key!r}; the file is damaged beyond "
                                   "a torn last line: move it away and rerun") from None
             if k != last_key:

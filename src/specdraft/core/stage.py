@@ -53,7 +53,7 @@ def check_resume(summary_path: Path, out: Path, key: dict[str, Any], done: int) 
     previous = read_json(summary_path)
     old = previous.get("resume_key")
     if old is not None and old != key:
-        diff = {k: (old.get(k), v) for k, v in key.items() if old.get(k) != v}
+        diff = {k: (old.get(k), key.get(k)) for k in sorted({*old, *key}) if old.get(k) != key.get(k)}
         raise RecordFileError(f"{out}: its rows were made with different settings {diff} (old, new); refusing to "
                           "mix them: use another --out or move the file away")
     if previous.get("status") != "complete":
