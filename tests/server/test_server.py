@@ -548,6 +548,31 @@ def test_graceful_shutdown_answers_requests_in_flight():
     assert not srv.thread.is_alive()
 
 
+def test_requests_that_outlast_the_shutdown_timeout_are_refused_with_503_not_cancelled():
+    """With --request-timeout-s longer than --shutdown-timeout-s (the defaults: 30 s and 10 s), a request still
+    being computed when the shutdown timeout runs out is refused (503 shutting_down): the scheduler starts closing
+    when the shutdown begins, and uvicorn, which cancels the handlers still running after its own graceful timeout
+    (a 500), waits longer than that."""
+    engine = FakeEngine(delay=0.25)  # 16 decode steps: about 4 s per request, the shutdown timeout is 1 s
+    cfg = fake_config(max_batch_size=2, max_wait_ms=0, request_timeout_s=30, shutdown_timeout_s=1)
+    srv = ThreadServer(create_app(cfg, engine), cfg).__enter__()
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [i + 1, i + 2]}, timeout=30)
+                   for i in range(4)]
+        deadline = time.time() + 60
+        while len(engine.calls) < 2:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        started = time.monotonic()
+        srv.__exit__(None, None, None)
+        seconds = time.monotonic() - started
+        responses = [f.result() for f in futures]
+    assert [r.status_code for r in responses] == [503] * 4, [r.text for r in responses]
+    assert {r.json()["error"] for r in responses} == {"shutting_down"}
+    assert seconds < 1 + 3, seconds
+    assert not srv.thread.is_alive()
+
+
 def test_a_client_that_goes_away_cancels_its_request_before_it_is_computed():
     gate = threading.Event()
     engine = FakeEngine(gate=gate)

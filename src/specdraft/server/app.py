@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 
 JSON_ROUTES = {("POST", "/draft")}
 RETRY_AFTER_S = 1
+# seconds uvicorn waits for handlers beyond --shutdown-timeout-s: time to send the refusals of what was not answered
+SHUTDOWN_MARGIN_S = 3
 
 
 class ApiError(Exception):
@@ -90,6 +92,8 @@ class ServerState:
         self.loader: threading.Thread | None = None
         self.status = "loading"
         self.error: str | None = None
+        self._stop_lock = threading.Lock()
+        self._stopper: threading.Thread | None = None
 
     def start(self, engine: Any) -> None:
         cfg = self.config
@@ -114,9 +118,23 @@ class ServerState:
         self.status = "ok"
         self.metrics.ready.set(1)
 
+    def begin_stop(self, timeout: float) -> threading.Thread:
+        """Start stopping, once, in a thread of its own: called as soon as the server begins to shut down, so the
+        requests it cannot answer within ``timeout`` are refused (503) while uvicorn still waits for their
+        handlers, rather than cancelled by uvicorn (a 500)."""
+        with self._stop_lock:
+            if self._stopper is None:
+                self._stopper = threading.Thread(target=self._stop, args=(timeout,), name="specdraft-stop",
+                                                 daemon=True)
+                self._stopper.start()
+            return self._stopper
+
     def stop(self, timeout: float) -> None:
         """Answer what can be answered within ``timeout``, refuse the rest, and wait for the worker threads (a
         thread still inside torch at interpreter exit aborts the process)."""
+        self.begin_stop(timeout).join()
+
+    def _stop(self, timeout: float) -> None:
         self.status = "stopping"
         self.metrics.ready.set(0)
         if self.loader is not None:
@@ -430,12 +448,16 @@ class _Server:
     SIGINT/SIGTERM shutdown normally (uvicorn re-raises the signal after draining, so the process would die
     of it; here the drained server returns and `serve` exits 0)."""
 
-    def __new__(cls, config: Any, on_started: Callable[[], None]):
+    def __new__(cls, config: Any, on_started: Callable[[], None], on_stopping: Callable[[], Any]):
         class Server(uvicorn.Server):
             async def startup(self, sockets: list[socket.socket] | None = None) -> None:
                 await super().startup(sockets=sockets)
                 if self.started:
                     on_started()
+
+            async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+                on_stopping()
+                await super().shutdown(sockets=sockets)
 
             @contextmanager
             def capture_signals(self):
@@ -478,10 +500,13 @@ def url_of(sock: socket.socket) -> str:
 
 
 def make_server(config: ServeConfig, app: FastAPI, sock: socket.socket, on_started: Callable[[], None]):
+    # uvicorn cancels the handlers still running after its graceful timeout (the client gets a 500): it waits
+    # longer than the scheduler, which answers or refuses every request within shutdown_timeout_s
     uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                               timeout_graceful_shutdown=max(1, math.ceil(config.shutdown_timeout_s)),
+                               timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s) + SHUTDOWN_MARGIN_S,
                                backlog=max(2048, config.max_queue))
-    return _Server(uv_config, on_started)
+    state: ServerState = app.state.server
+    return _Server(uv_config, on_started, lambda: state.begin_stop(config.shutdown_timeout_s))
 
 
 def run_server(config: ServeConfig) -> int:
