@@ -79,3 +79,26 @@ def test_classification_of_paths(tmp_path):
     assert classify_path(str(package / "audit" / "serve.py"), roots) == "python"
     # the sandbox program ships in the package: reading it is reading Python code
     assert SANDBOX_PATH.is_file() and classify_path(str(SANDBOX_PATH), roots) == "python"
+
+
+def test_an_installed_wheels_own_data_file_is_allowed_only_while_it_matches_its_record(tmp_path):
+    import base64
+    import hashlib
+
+    site = tmp_path / "site"
+    (site / "shippedpkg").mkdir(parents=True)
+    (site / "shippedpkg" / "__init__.py").write_text("")
+    shipped, planted = site / "shippedpkg" / "depends.json", site / "shippedpkg" / "lookup.json"
+    shipped.write_text('{"python": ["3.11"]}')
+    planted.write_text('{"prompt": "continuation"}')
+    digest = base64.urlsafe_b64encode(hashlib.sha256(shipped.read_bytes()).digest()).rstrip(b"=").decode()
+    info = site / "shippedpkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: shippedpkg\nVersion: 1.0\n")
+    (info / "RECORD").write_text(f"shippedpkg/__init__.py,,\nshippedpkg/depends.json,sha256={digest},36\n"
+                                 "shippedpkg-1.0.dist-info/RECORD,,\n")
+    roots = allowed_roots(tmp_path / "model", [str(site)])
+    assert classify_path(str(shipped), roots) == "python"
+    assert classify_path(str(planted), roots) == "other"  # in no RECORD
+    shipped.write_text('{"python": ["3.11"], "table": [1, 2, 3]}')
+    assert classify_path(str(shipped), roots) == "other"  # no longer what the wheel shipped

@@ -5,6 +5,10 @@ classified as model dir, Python code, system, the server's own temp files, or ot
 
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -144,8 +148,9 @@ def _post_draft(result: SandboxResult, context: list[int], num_tokens: int, dead
 def allowed_roots(model_dir: Path, python_roots: Iterable[str], denied: Iterable[str | os.PathLike] = (),
                   own_dirs: Iterable[str | os.PathLike | None] = (), created: Iterable[str] = (),
                   absent: Iterable[str] = ()) -> dict[str, list[str]]:
-    """Where the server may read: the model dir; code and package metadata of the Python installation (and of
-    specdraft's own package dir, which an editable install keeps outside it); /proc, /sys, /dev but /dev/shm;
+    """Where the server may read: the model dir; code, package metadata and the installed wheels' own data files
+    (unchanged since the install) of the Python installation (and of specdraft's own package dir, which an
+    editable install keeps outside it); /proc, /sys, /dev but /dev/shm;
     its own sandbox dir (``own_dirs``) and the files it created itself (``created``). No other temp file: a
     table left in /tmp is data the model dir does not declare. ``absent`` (paths no open found on disk: import
     probes) are harmless inside the Python roots. ``denied`` (the run dir) is never allowed outside the model
@@ -154,7 +159,8 @@ def allowed_roots(model_dir: Path, python_roots: Iterable[str], denied: Iterable
     python |= {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
     python.add(os.path.realpath(Path(specdraft.__file__).parent))
     return {"model_dir": [os.path.realpath(model_dir)], "denied": sorted(os.path.realpath(d) for d in denied),
-            "python": sorted(python), "system": ["/proc", "/sys", "/dev"], "not_system": ["/dev/shm"],
+            "python": sorted(python), "python_path": sorted({os.path.realpath(p) for p in python_roots if p}),
+            "system": ["/proc", "/sys", "/dev"], "not_system": ["/dev/shm"],
             "temp": sorted(os.path.realpath(d) for d in own_dirs if d), "created": sorted(created),
             "absent": sorted(absent)}
 
@@ -166,6 +172,32 @@ def under(path: str, root: str) -> bool:
 def _python_file(path: str, absent: bool) -> bool:
     """A file an import may read: code or package metadata; or a probe of a path that did not exist."""
     return absent or bool(PYTHON_CODE.search(path) or PYTHON_METADATA_DIR.search(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _recorded_files(search_path: tuple[str, ...]) -> dict[str, str]:
+    """Real path -> recorded sha256 of every file an installed distribution's RECORD lists with a hash."""
+    files: dict[str, str] = {}
+    for dist in importlib.metadata.distributions(path=list(search_path)):
+        for f in dist.files or ():
+            if f.hash is not None and f.hash.mode == "sha256":
+                files[os.path.realpath(f.locate())] = f.hash.value
+    return files
+
+
+def _installed_data_file(path: str, python_roots: list[str]) -> bool:
+    """A data file an installed wheel ships (a package's own JSON, say): listed in its distribution's RECORD and
+    still byte for byte what the RECORD hashes. A file planted beside a package is in no RECORD; one edited
+    after the install no longer matches its hash; both stay findings."""
+    real = os.path.realpath(path)
+    recorded = _recorded_files(tuple(sorted({*python_roots, *sys.path})))
+    if real not in recorded:
+        return False
+    try:
+        digest = hashlib.sha256(Path(real).read_bytes()).digest()
+    except OSError:
+        return False
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == recorded[real]
 
 
 def classify_path(path: str, roots: dict[str, list[str]]) -> str:
@@ -185,7 +217,9 @@ def classify_path(path: str, roots: dict[str, list[str]]) -> str:
         return "system"
     if within("python"):
         absent = path in roots.get("absent", ())
-        return "python" if all(_python_file(p, absent) for p in forms) else "other"
+        if all(_python_file(p, absent) for p in forms) or _installed_data_file(path, roots.get("python_path", [])):
+            return "python"
+        return "other"
     return "other"
 
 
