@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import functools
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -23,6 +22,7 @@ from typing import Any, Iterable
 import httpx
 
 import specdraft
+from specdraft.core.io import sha256_file
 from specdraft.server.process import ServerProcess
 
 # Launched by path: it must install its hook before anything of specdraft is imported.
@@ -155,11 +155,12 @@ def allowed_roots(model_dir: Path, python_roots: Iterable[str], denied: Iterable
     table left in /tmp is data the model dir does not declare. ``absent`` (paths no open found on disk: import
     probes) are harmless inside the Python roots. ``denied`` (the run dir) is never allowed outside the model
     dir, even when it lies in a temp dir."""
-    python = {os.path.realpath(p) for p in python_roots if p}
-    python |= {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+    path_entries = {os.path.realpath(p) for p in python_roots if p}
+    python = path_entries | {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                                           sys.base_exec_prefix)}
     python.add(os.path.realpath(Path(specdraft.__file__).parent))
     return {"model_dir": [os.path.realpath(model_dir)], "denied": sorted(os.path.realpath(d) for d in denied),
-            "python": sorted(python), "python_path": sorted({os.path.realpath(p) for p in python_roots if p}),
+            "python": sorted(python), "python_path": sorted(path_entries),
             "system": ["/proc", "/sys", "/dev"], "not_system": ["/dev/shm"],
             "temp": sorted(os.path.realpath(d) for d in own_dirs if d), "created": sorted(created),
             "absent": sorted(absent)}
@@ -194,10 +195,10 @@ def _installed_data_file(path: str, python_roots: list[str]) -> bool:
     if real not in recorded:
         return False
     try:
-        digest = hashlib.sha256(Path(real).read_bytes()).digest()
+        digest = bytes.fromhex(sha256_file(real))
     except OSError:
         return False
-    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == recorded[real]
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == recorded[real]  # RECORD's form of a sha256
 
 
 def classify_path(path: str, roots: dict[str, list[str]]) -> str:
