@@ -2,6 +2,8 @@
 budgets reach), and the audit at the end."""
 
 import json
+import os
+import time
 
 import pytest
 
@@ -85,6 +87,23 @@ def test_the_summary_says_what_the_draft_saw_and_what_its_numbers_mean(tmp_path,
     # what the larger budgets reach, quoted from BENCHMARKS.md
     reference = demo.budget_reference()
     assert reference is not None and "| default |" in reference and "| full |" in reference and reference in text
+
+
+def test_a_resumed_demo_says_what_training_took_over_its_sittings_and_which_stages_it_skipped(tmp_path,
+                                                                                            monkeypatch):
+    run, _ = _stub_run(tmp_path, monkeypatch)
+    meta = {**STUB_FILES["draft/train_meta.json"], "resumed_from_step": 20, "train_tokens": 11200,
+            "train_seconds": 171.2, "train_tokens_this_run": 3000, "seconds_this_run": 40.0}
+    (run / "draft" / "train_meta.json").write_text(json.dumps(meta))
+    for name, age_s in (("prompts", 3600), ("traces", 3000), ("speculate", 0)):
+        marker = run / ".stages" / f"{name}.json"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("{}")
+        os.utime(marker, (time.time() - age_s + 60,) * 2)  # speculate's marker: written after the start
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path())))
+    text = (run / "demo_summary.md").read_text()
+    assert "28 steps over 11200 tokens in 2.9 min over its sittings (resumed at step 20 after an interruption)" in text
+    assert "for this invocation, which skipped 2 stages an earlier one finished (prompts, traces;" in text
 
 
 def test_the_verdict_tells_a_real_difference_from_noise():

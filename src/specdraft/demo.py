@@ -154,6 +154,9 @@ def run_demo(cfg: DemoConfig) -> int:
     with stage_log(run_dir / "demo.log"):
         summary = _pipeline(cfg, budget, run_dir)
         summary["wall_seconds"] = round(time.time() - started, 1)
+        # a marker older than this invocation is a stage an earlier one finished (and this one skipped)
+        summary["stages_done_earlier"] = sorted(
+            m.stem for m in (run_dir / ".stages").glob("*.json") if m.stat().st_mtime < started)
         summary["budget_reference"] = budget_reference()
         summary.update(run_metadata())
         atomic_write_json(run_dir / "demo_summary.json", summary)
@@ -325,8 +328,10 @@ def _data_facts(run_dir: Path) -> dict[str, Any]:
         "train_examples": (meta.get("traces") or {}).get("train"),
         "heldout_examples": (meta.get("traces") or {}).get("heldout"),
         "train_steps": meta.get("steps"),
-        "train_tokens": meta.get("train_tokens_this_run"),
-        "train_seconds": meta.get("seconds_this_run"),
+        # over every sitting of a resumed training (older records have only the last sitting's)
+        "train_tokens": meta.get("train_tokens", meta.get("train_tokens_this_run")),
+        "train_seconds": meta.get("train_seconds", meta.get("seconds_this_run")),
+        "train_resumed_from_step": meta.get("resumed_from_step"),
         "eval_points": validation.get("points"),
         "eval_prompts": validation.get("prompts"),
     }
@@ -420,7 +425,8 @@ def summary_markdown(summary: dict) -> str:
              f"({data.get('trace_completion_tokens')} tokens); {data.get('train_examples')} trained on, "
              f"{data.get('heldout_examples')} held out to pick the best checkpoint.",
              f"- Training: {data.get('train_steps')} steps over {data.get('train_tokens')} tokens in "
-             f"{_fmt_seconds(data.get('train_seconds'))}; the draft starts as {_describe_init(summary)}.",
+             f"{_fmt_seconds(data.get('train_seconds'))}{_describe_resume(data)}; the draft starts as "
+             f"{_describe_init(summary)}.",
              f"- Evaluation: {data.get('eval_points')} points (a context and the target's next 16 tokens) from "
              f"{data.get('eval_prompts')} prompts of {summary['eval_set']['kind']} "
              f"({summary['eval_set']['path']}), never trained on.", "",
@@ -459,7 +465,7 @@ def summary_markdown(summary: dict) -> str:
               f"{self_pack.get('bytes')} bytes, {self_pack.get('parameters')} parameters). "
               f"{_describe_export(summary.get('export'))}"
               f"Selfcheck exit {summary['selfcheck_exit']}, audit exit {summary['audit_exit']}. "
-              f"Wall time: {_fmt_seconds(summary.get('wall_seconds'))}."]
+              f"Wall time: {_fmt_seconds(summary.get('wall_seconds'))}{_describe_earlier(summary)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -470,6 +476,19 @@ def _describe_export(export: dict | None) -> str:
              f"{export.get('not_exact')} of {export.get('tensors')} tensors not exactly the pack's values")
     return (f"GGUF for llama.cpp: `{export.get('path')}`, {export.get('bytes')} bytes, {exact} "
             "(docs/exports.md). ")
+
+
+def _describe_resume(data: dict) -> str:
+    step = data.get("train_resumed_from_step")
+    return f" over its sittings (resumed at step {step} after an interruption)" if step else ""
+
+
+def _describe_earlier(summary: dict) -> str:
+    earlier = summary.get("stages_done_earlier")
+    if not earlier:
+        return ""
+    return (f" for this invocation, which skipped {len(earlier)} stages an earlier one finished "
+            f"({', '.join(earlier)}; their times are in demo.log)")
 
 
 def _fmt(x, digits: int = 3) -> str:

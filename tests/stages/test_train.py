@@ -161,13 +161,20 @@ def test_resume_after_interruption_matches_uninterrupted_run(tiny_traces, tiny_t
         patch.setattr(train_stage, "lr_at", killing_lr)
         with pytest.raises(Killed):
             run_train(part)
-    assert (tmp_path / "part" / "last" / "trainer_state.json").is_file()
+    killed_state = json.loads((tmp_path / "part" / "last" / "trainer_state.json").read_text())
+    assert killed_state["step"] == 4 and killed_state["train_seconds"] > 0
     run_train(part)
     a = load_file(tmp_path / "full" / "last" / "model.safetensors")
     b = load_file(tmp_path / "part" / "last" / "model.safetensors")
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # the record counts the tokens of every sitting once: the steps redone after the kill are not counted twice
+    whole, resumed = (json.loads((tmp_path / d / "train_meta.json").read_text()) for d in ("full", "part"))
+    assert whole["resumed_from_step"] == 0 and whole["train_tokens"] == whole["train_tokens_this_run"] > 0
+    assert resumed["resumed_from_step"] == 4 and resumed["train_tokens"] == whole["train_tokens"]
+    assert 0 < resumed["train_tokens_this_run"] < resumed["train_tokens"]
+    assert resumed["train_seconds"] > killed_state["train_seconds"] and resumed["seconds_this_run"] > 0
 
 
 def test_resume_refuses_a_corrupt_checkpoint_with_its_path(tiny_traces, tiny_target, tmp_path):

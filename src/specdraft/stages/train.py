@@ -139,6 +139,9 @@ class TrainState:
     step: int = 0  # optimizer steps taken
     history: list[dict] = field(default_factory=list)  # one evaluate() record per evaluation
     best: dict | None = None  # the record of the checkpoint in out/
+    # label tokens and seconds of the steps taken, over every sitting (steps repeated after an interruption once)
+    train_tokens: int = 0
+    train_seconds: float = 0.0
 
 
 # ------------------------------------------------------------------------------------------- setup
@@ -426,8 +429,9 @@ def save_resume_state(run: Run, state: TrainState) -> None:
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     if accelerator.is_main_process:
-        atomic_write_json(tmp / "trainer_state.json", {"step": state.step, "history": state.history,
-                                                       "best": state.best, "config": run.cfg.to_json_dict()})
+        atomic_write_json(tmp / "trainer_state.json", {
+            "step": state.step, "history": state.history, "best": state.best, "train_tokens": state.train_tokens,
+            "train_seconds": state.train_seconds, "config": run.cfg.to_json_dict()})
         shutil.rmtree(run.out / "last", ignore_errors=True)
         os.replace(tmp, run.out / "last")
 
@@ -450,7 +454,9 @@ def load_resume_state(run: Run) -> TrainState:
                          f"{last}")
     run.accelerator.load_state(str(last))
     log.info("resuming from %s at step %d", last, saved["step"])
-    return TrainState(step=saved["step"], history=saved["history"], best=saved["best"])
+    # states written before the totals were kept have none: their earlier sittings count as 0
+    return TrainState(step=saved["step"], history=saved["history"], best=saved["best"],
+                      train_tokens=saved.get("train_tokens", 0), train_seconds=saved.get("train_seconds", 0.0))
 
 
 def plot_history(history: list[dict], path: Path, k: int) -> None:
@@ -470,7 +476,7 @@ def plot_history(history: list[dict], path: Path, k: int) -> None:
 
 
 def train_meta(run: Run, data: TrainData, state: TrainState, *, init_source: dict, target_spec: str,
-               tokens_seen: int, seconds: float) -> dict:
+               resumed_from_step: int, tokens_seen: int, seconds: float) -> dict:
     """train_meta.json: the inputs (init, target, traces, labels, config with their hashes), the results, and
     the run's provenance."""
     cfg = run.cfg
@@ -490,6 +496,9 @@ def train_meta(run: Run, data: TrainData, state: TrainState, *, init_source: dic
         "config": cfg.to_json_dict(),
         "steps": state.step,
         "total_steps": run.total_steps,
+        "resumed_from_step": resumed_from_step,
+        "train_tokens": state.train_tokens,
+        "train_seconds": round(state.train_seconds, 1),
         "train_tokens_this_run": tokens_seen,
         "seconds_this_run": round(seconds, 1),
         "parameters": sum(p.numel() for p in run.accelerator.unwrap_model(run.model).parameters()),
@@ -512,6 +521,7 @@ def train_loop(run: Run, data: TrainData, state: TrainState) -> int:
     cfg, accelerator = run.cfg, run.accelerator
     run.model.train()
     started, tokens_seen, running = time.time(), 0, []
+    tokens_before, seconds_before = state.train_tokens, state.train_seconds
     bar = tqdm(total=run.total_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
     batches = micro_batches(data.train, cfg, accelerator.num_processes, accelerator.process_index)
     # a resumed run skips the micro-batches of the steps already taken, so it sees the batches it would have seen
@@ -530,6 +540,8 @@ def train_loop(run: Run, data: TrainData, state: TrainState) -> int:
         if state.step % cfg.eval_every == 0 or state.step == run.total_steps:
             state.history.append(evaluate(run, data.heldout, state.step, sum(running) / len(running)))
             running = []
+            state.train_tokens = tokens_before + tokens_seen
+            state.train_seconds = seconds_before + time.time() - started
             state.best = save_checkpoint(run, state.history[-1], state.best)
             save_resume_state(run, state)
             plot_history(state.history, run.out / "train_curves.png", cfg.num_draft)
@@ -562,11 +574,12 @@ def run_train(cfg: TrainConfig) -> dict:
         if state.step == 0 and not state.history:  # score the init, the first best: training must beat it
             state.history.append(evaluate(run, data.heldout, step=0, train_loss=None))
             state.best = save_checkpoint(run, state.history[-1], state.best)
-        started = time.time()
+        started, resumed_from_step = time.time(), state.step
         tokens_seen = train_loop(run, data, state)
 
         meta = train_meta(run, data, state, init_source=init_source, target_spec=target_spec,
-                          tokens_seen=tokens_seen, seconds=time.time() - started)
+                          resumed_from_step=resumed_from_step, tokens_seen=tokens_seen,
+                          seconds=time.time() - started)
         if accelerator.is_main_process:
             meta["checkpoint_weights_sha256"] = weights_sha256(out)
             atomic_write_json(out / "train_meta.json", meta)
