@@ -154,9 +154,10 @@ def run_demo(cfg: DemoConfig) -> int:
     with stage_log(run_dir / "demo.log"):
         summary = _pipeline(cfg, budget, run_dir)
         summary["wall_seconds"] = round(time.time() - started, 1)
-        # a marker older than this invocation is a stage an earlier one finished (and this one skipped)
-        summary["stages_done_earlier"] = sorted(
-            m.stem for m in (run_dir / ".stages").glob("*.json") if m.stat().st_mtime < started)
+        # a marker older than this invocation is a stage an earlier one finished (and this one skipped); whole
+        # seconds, for file systems that keep coarse modification times
+        markers = sorted((m.stat().st_mtime, m.stem) for m in (run_dir / ".stages").glob("*.json"))
+        summary["stages_done_earlier"] = [name for mtime, name in markers if mtime < int(started)]
         summary["budget_reference"] = budget_reference()
         summary.update(run_metadata())
         atomic_write_json(run_dir / "demo_summary.json", summary)

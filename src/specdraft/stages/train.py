@@ -139,7 +139,7 @@ class TrainState:
     step: int = 0  # optimizer steps taken
     history: list[dict] = field(default_factory=list)  # one evaluate() record per evaluation
     best: dict | None = None  # the record of the checkpoint in out/
-    # label tokens and seconds of the steps taken, over every sitting (steps repeated after an interruption once)
+    # label tokens and seconds of the steps taken, over every sitting (steps redone after an interruption counted once)
     train_tokens: int = 0
     train_seconds: float = 0.0
 
