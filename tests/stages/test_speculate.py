@@ -297,13 +297,13 @@ def test_run_speculate_report_matches_recomputation(tmp_path, tiny_qwen3_dir, ti
 
 
 def test_run_speculate_flags_a_mismatch(tmp_path, tiny_qwen3_dir, monkeypatch):
-    import specdraft.drafting.timing as timing
     from specdraft.model.decode import Generation
+    from specdraft.model.targets import TorchTarget
 
-    def wrong_greedy(model, prompts, n, **kw):  # a "reference" that disagrees with the target
-        return [Generation([0] * n, "length") for _ in prompts]
+    def wrong_greedy(self, prompt, n):  # a "reference" that disagrees with the target
+        return Generation([0] * n, "length")
 
-    monkeypatch.setattr(timing, "greedy_decode", wrong_greedy)
+    monkeypatch.setattr(TorchTarget, "greedy", wrong_greedy)
     cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft="lookup", prompts=_prompt_file(tmp_path),
                           out=tmp_path / "o", max_new_tokens=6, k=[2], warmup=False)
     assert run_speculate(cfg) == 1

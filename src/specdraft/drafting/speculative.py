@@ -3,7 +3,8 @@
 One step: the drafter proposes k tokens for the current sequence; the target runs once on [last token, d1..dk]
 with its KV cache and takes the argmax at every position (p0..pk); the longest prefix of the draft with
 d_i == p_{i-1} is kept, plus the target's own next token p_n; the target's cache is cropped back to the kept
-tokens. Every output token is a target argmax, so the output equals the target's plain greedy decoding.
+tokens. Every output token is a target argmax, so the output equals the target's plain greedy decoding (bit
+for bit where the engine's multi-token pass computes what its one-token pass does: ``TargetModel.exact``).
 """
 
 from __future__ import annotations
@@ -12,12 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import torch
-from transformers import DynamicCache
-
 from specdraft.drafting.base import Drafter, DrafterError
 from specdraft.drafting.metrics import accepted_length
-from specdraft.model.decode import crop_cache, eos_token_ids, extend
+from specdraft.model.targets import as_target
 
 # --------------------------------------------------------------------------------------- speculation
 
@@ -33,10 +31,10 @@ class SpecGeneration:
     verify_seconds: float = 0.0
 
 
-@torch.inference_mode()
 def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], max_new_tokens: int, k: int,
                          eos_ids=None) -> SpecGeneration:
-    """Greedy speculative decoding of one prompt; the tokens equal ``greedy_decode(target, [prompt], ...)``."""
+    """Greedy speculative decoding of one prompt. ``target``: a ``TargetModel`` (any engine) or a transformers
+    model; with an ``exact`` target the tokens equal ``greedy_decode(target, [prompt], ...)``."""
 
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
@@ -45,13 +43,12 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], max_ne
     prompt = list(prompt)
     if not prompt:
         raise ValueError("the prompt needs at least one token")
-    vocab = target.config.vocab_size
-    eos = set(eos_token_ids(target) if eos_ids is None else eos_ids)
+    target = as_target(target)
+    vocab = target.vocab_size
+    eos = set(target.eos_ids if eos_ids is None else eos_ids)
     drafter.reset()
-    cache = DynamicCache(config=target.config)
     started = time.perf_counter()
-    logits = extend(target, prompt, cache, 0, logits_to_keep=1)
-    gen = SpecGeneration(tokens=[int(logits[0, -1].argmax())], finish_reason="length")
+    gen = SpecGeneration(tokens=[target.prefill(prompt)], finish_reason="length")
     gen.verify_seconds += time.perf_counter() - started
     if gen.tokens[0] in eos:
         gen.finish_reason = "eos"
@@ -66,10 +63,9 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], max_ne
             raise DrafterError(f"drafter {drafter.name!r} proposed ids outside the "
                                f"target vocab (0..{vocab - 1}): {draft}")
         start = len(prompt) + len(gen.tokens) - 1  # the cache holds everything but the last token
-        logits = extend(target, [gen.tokens[-1]] + draft, cache, start)
-        preds = logits[0].argmax(-1).tolist()  # preds[i]: target's next token after draft[:i]
+        preds = target.verify([gen.tokens[-1]] + draft, start)  # preds[i]: target's next token after draft[:i]
         n = accepted_length(draft, preds)
-        crop_cache(cache, start + 1 + n)
+        target.truncate(start + 1 + n)
         gen.verify_seconds += time.perf_counter() - t1
         gen.draft_seconds += t1 - t0
         gen.steps += 1

@@ -13,8 +13,9 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from specdraft.drafting.base import Drafter, NoDraft
+from specdraft.drafting.prediction import predict_speedups
 from specdraft.drafting.speculative import SpecGeneration, first_mismatch, speculative_generate
-from specdraft.model.decode import eos_token_ids, greedy_decode
+from specdraft.model.targets import as_target
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class SpeculationTotals:
                if self.lookup_steps is not None else {}),
             "draft_time_share": self.draft_seconds / self.seconds if self.seconds else 0.0,
             "mismatches": self.mismatches,
+            "equal_to_plain_greedy": (self.runs - self.mismatches) / self.runs if self.runs else 0.0,
         }
 
 
@@ -83,25 +85,32 @@ def timed(fn):
 
 def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], prompts: Sequence[Prompt],
                           ks: Sequence[int], max_new_tokens: int, warmup: bool = True,
-                          progress: bool = False, clock: str = "wall", repeats: int = 1) -> dict[str, Any]:
+                          progress: bool = False, clock: str = "wall", repeats: int = 1,
+                          predict: bool = False) -> dict[str, Any]:
     """Time plain greedy and every (drafter, k) on every prompt; check each output against greedy.
 
-    Per prompt: ``greedy_decode`` at batch 1 gives the reference tokens (timed too, for information);
+    ``target``: a ``TargetModel`` of any engine, or a transformers model. Per prompt: the target's plain greedy
+    (``TargetModel.greedy``; ``greedy_decode`` at batch 1 in torch) gives the reference tokens (timed too);
     then the baseline (the speculative loop with no drafts: one target forward per token) and every
     speculative run, in an order rotated from prompt to prompt so that machine noise spreads evenly.
     With ``repeats`` > 1 the whole pass over the prompts runs that many times (rotated differently each
     time): each (drafter, k) then also reports its speed-up in every pass against the baseline of the same
     pass (``speedup_repeats``), their median and range -- how much of a difference is the machine's noise.
     Both clocks are recorded; ``clock`` picks the one behind ``tokens_per_s``, ``speedup`` and best k.
+    An output that differs from the reference is an error with an ``exact`` target; with another (llama.cpp)
+    it is counted, with where it parts (``equal_to_plain_greedy`` per drafter and k).
+    ``predict``: afterwards, each speed-up predicted from the target's measured costs and a replay of each
+    drafter (``drafting.prediction``), beside the measured one (``predicted_speedup`` per drafter and k).
     """
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
-    eos = eos_token_ids(target)
+    target = as_target(target)
+    eos = set(target.eos_ids)
     baseline = ("baseline", NoDraft(), 1)
     runs = [baseline] + [(name, drafter, k) for name, drafter, _ in drafters for k in ks]
     if warmup and prompts:
         warm = prompts[0].ids
-        greedy_decode(target, [warm], min(8, max_new_tokens), eos_ids=eos)
+        target.greedy(warm, min(8, max_new_tokens))
         for _, drafter, k in runs:
             speculative_generate(target, drafter, warm, min(8, max_new_tokens), k, eos)
     reference = SpeculationTotals()
@@ -113,7 +122,7 @@ def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], pro
     iterator = tqdm(order, desc="speculate", unit="prompt") if progress else order
     for rep, i, prompt in iterator:
         if i not in references:
-            (ref,), wall, cpu = timed(lambda: greedy_decode(target, [prompt.ids], max_new_tokens, eos_ids=eos))
+            ref, wall, cpu = timed(lambda: target.greedy(prompt.ids, max_new_tokens))
             reference.add(ref, wall, cpu)
             references[i] = (ref, wall)
         ref, ref_wall = references[i]
@@ -134,10 +143,12 @@ def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], pro
                 totals[(name, k)].mismatches += 1
                 mismatches.append({"prompt": prompt.id, "drafter": name, "k": k, "first_mismatch": bad,
                                    "greedy_tokens": len(ref.tokens), "speculative_tokens": len(gen.tokens)})
-                log.error("MISMATCH prompt %s drafter %s k=%d: first differing token at %s", prompt.id, name, k, bad)
+                (log.error if target.exact else log.info)(
+                    "%s prompt %s drafter %s k=%d: first differing token at %s",
+                    "MISMATCH" if target.exact else "differs from plain greedy:", prompt.id, name, k, bad)
             key = "baseline" if name == "baseline" else f"{name}/k={k}"
             row["runs"][key] = {"seconds": wall, "cpu_seconds": cpu, "steps": gen.steps, "accepted": gen.accepted,
-                                "drafted": gen.drafted}
+                                "drafted": gen.drafted, "accepted_per_step": gen.accepted_per_step}
         rows.append(row)
     base = totals[("baseline", 1)]
     results: dict[str, dict[str, Any]] = {}
@@ -151,6 +162,16 @@ def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], pro
         best_k = max(ks, key=lambda k: per_k[str(k)]["tokens_per_s"])
         results[name] = {"per_k": per_k, "best_k": best_k, "best_tokens_per_s": per_k[str(best_k)]["tokens_per_s"],
                          "best_speedup": per_k[str(best_k)]["speedup"]}
+    prediction = None
+    if predict and prompts:
+        prediction = predict_speedups(target, drafters, [p.ids for p in prompts],
+                                      [references[i][0].tokens for i in range(len(prompts))], ks, max_new_tokens)
+        for name, predicted_rows in prediction["drafters"].items():
+            for k, predicted in predicted_rows.items():
+                measured = results[name]["per_k"][k]["speedup_wall"]
+                predicted["measured_speedup"] = measured
+                predicted["predicted_over_measured"] = predicted["predicted_speedup"] / measured if measured else None
+                results[name]["per_k"][k]["predicted_speedup"] = predicted["predicted_speedup"]
     base_rates, ref_rates = base.rates(), reference.rates()
     return {
         "clock": clock,
@@ -160,12 +181,16 @@ def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], pro
                      "tokens": base.tokens, "seconds": base.seconds, "cpu_seconds": base.cpu_seconds,
                      "tokens_per_s": base_rates[clock], "tokens_per_s_wall": base_rates["wall"],
                      "tokens_per_s_cpu": base_rates["cpu"], "mismatches": base.mismatches},
-        "greedy_decode": {"what": "specdraft.model.decode.greedy_decode at batch 1: the reference tokens",
+        "greedy_decode": {"what": "the target's plain greedy decoding at batch 1 (torch: specdraft.model.decode."
+                                  "greedy_decode): the reference tokens",
                           "tokens": reference.tokens, "seconds": reference.seconds,
                           "tokens_per_s": ref_rates[clock], "tokens_per_s_wall": ref_rates["wall"],
                           "tokens_per_s_cpu": ref_rates["cpu"]},
         "drafters": results,
+        "engine": target.engine,
+        "exact_engine": target.exact,
         "mismatches": mismatches,
         "lossless": not mismatches,
+        "prediction": prediction,
         "per_prompt": rows,
     }

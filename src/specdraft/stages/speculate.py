@@ -5,14 +5,21 @@ and k against plain greedy in the same loop and checks every output against plai
 error). This stage loads the target and the drafters -- an in-process draft keeps its KV cache across steps
 (``CachedDraftModel``), or re-prefills (``ModelDrafter``); the draft server (``HTTPDrafter``); prompt lookup;
 the draft behind lookup -- and writes ``speculate.json``, ``speculate.md`` and a plot of tokens/s per k.
+
+``--engine llama.cpp`` runs the same loop in llama.cpp (llama-cpp-python), the engine CPU users decode with:
+the target's GGUF, drafts from GGUF files (``specdraft export`` output, the target's own file as its
+self-draft), llama-cpp-python's n-gram drafter and prompt lookup, against llama.cpp's own plain decoding in the
+same run; a full-precision copy of the target (F32, made by llama.cpp's quantize) with the 4-bit self-draft
+as a second table. Every speed-up also comes predicted from measured costs (``drafting.prediction``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import torch
 from pydantic import Field, field_validator
@@ -20,7 +27,7 @@ from transformers import AutoTokenizer
 
 from specdraft.core import plots
 from specdraft.core.config import StageConfig
-from specdraft.core.io import atomic_write_json, atomic_write_text, sha256_file
+from specdraft.core.io import atomic_write_json, atomic_write_text, read_json, sha256_file
 from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.core.records import read_prompts
 from specdraft.drafting.base import Drafter
@@ -35,7 +42,15 @@ from specdraft.model.chat import encode_prompts
 from specdraft.model.device import DEVICE_HELP, resolve_device
 from specdraft.model.lean import CompiledSteps
 from specdraft.model.loader import load_draft
-from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_model, load_tokenizer, tokenizer_fingerprint
+from specdraft.model.specs import (
+    DEFAULT_TARGET,
+    describe_source,
+    embedded_gguf_path,
+    load_model,
+    load_tokenizer,
+    tokenizer_fingerprint,
+)
+from specdraft.model.targets import TargetModel, TorchTarget
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +58,22 @@ log = logging.getLogger(__name__)
 # the drafters build_drafters names itself; an also_draft must not take one of them
 RESERVED_DRAFTER_NAMES = frozenset({"baseline", "draft", "draft-eager", "draft-hf", "draft-prob", "draft-reprefill",
                                     "draft+lookup", "lookup", "server"})
+# and the names the llama.cpp engine gives its own extra drafters
+LLAMA_CPP_DRAFTER_NAMES = frozenset({"ngram", "self"})
 
 
 class SpeculateConfig(StageConfig):
-    target: str = Field(DEFAULT_TARGET, description="target model spec (local dir | hub:ORG/NAME@REV | embedded:NAME)")
+    target: str = Field(DEFAULT_TARGET, description="target model spec (local dir | hub:ORG/NAME@REV | embedded:NAME); "
+                                                    "with --engine llama.cpp, its tokenizer and chat template")
+    engine: Literal["torch", "llama.cpp"] = Field(
+        "torch", description="where the target and the drafts run: specdraft's own engine (torch, float32 target "
+                             "by default) or llama.cpp (llama-cpp-python, `pip install 'specdraft[llama]'`: "
+                             "GGUF files, against llama.cpp's plain decoding)")
+    target_gguf: Optional[Path] = Field(
+        None, description="llama.cpp: the target's GGUF file (default: the embedded target's own file)")
     draft: str = Field(description="drafter: a draft server URL (http://...), a model dir (packed QD04 or HF "
-                                   "checkpoint) or 'lookup' (model-free prompt lookup)")
+                                   "checkpoint) or 'lookup' (model-free prompt lookup); with --engine llama.cpp, "
+                                   "a draft GGUF file (`specdraft export --format gguf`), 'lookup' or 'none'")
     prompts: Path = Field(description="prompts file: prompts.jsonl ('prompt'), MT-bench ('turns'[0]) or "
                                       "validation/traces style ('context_ids' / 'prompt_ids', used as is)")
     out: Path = Field(Path("speculate_out"), description="output dir: speculate.json, speculate.md, PNG, log")
@@ -60,7 +85,16 @@ class SpeculateConfig(StageConfig):
     also_draft: list[str] = Field(
         [], description="more in-process draft model dirs timed in the same run, each as NAME=DIR (e.g. "
                         "self=runs/demo/model_self: the target's own weights packed), with the main draft's "
-                        "cache, lean, compile, compute and confidence settings; repeatable")
+                        "cache, lean, compile, compute and confidence settings; with --engine llama.cpp, "
+                        "NAME=FILE.gguf; repeatable")
+    self_draft: bool = Field(True, description="llama.cpp: also the target's own GGUF file as its draft ('self')")
+    ngram_baseline: bool = Field(True, description="llama.cpp: also llama-cpp-python's n-gram drafter "
+                                                   "(LlamaPromptLookupDecoding) as 'ngram'")
+    full_precision: bool = Field(
+        True, description="llama.cpp: a second table with the target at F32 (llama.cpp's quantize of the target "
+                          "GGUF, kept in the output dir) against the target's own 4-bit file as its draft")
+    predict: bool = Field(True, description="predict every speed-up from the target's measured pass costs and a "
+                                            "replay of each drafter, beside the measured one")
     draft_cache: Literal["keep", "reprefill", "both"] = Field(
         "keep", description="in-process draft model: keep its KV cache across steps (rolled back to the "
                             "accepted prefix), re-prefill the whole context every step, or time both")
@@ -162,7 +196,9 @@ def build_drafters(config: SpeculateConfig, target_tokenizer) -> list[tuple[str,
     spec = config.draft
     lean = config.draft_lean != "off"
     compiled = lean and config.draft_compile != "off"
-    if spec == "lookup":
+    if spec == "none":
+        pass
+    elif spec == "lookup":
         out.append(("lookup", LookupDrafter(), {"kind": "lookup"}))
     elif spec.startswith(("http://", "https://")):
         out.append(("server", HTTPDrafter(spec, concurrency=1, name="server"), {"kind": "http", "url": spec}))
@@ -180,7 +216,7 @@ def build_drafters(config: SpeculateConfig, target_tokenizer) -> list[tuple[str,
         if config.draft_cache in ("reprefill", "both"):
             name = "draft-reprefill" if config.draft_cache == "both" else "draft"
             out.append((name, ModelDrafter(model, name=name, max_batch_size=1), {**source, "draft_cache": "reprefill"}))
-    if config.hybrid_min_ngram is not None and spec != "lookup":
+    if config.hybrid_min_ngram is not None and spec not in ("lookup", "none"):
         # Its own drafter instance (a separate draft cache), so the plain draft's rows stay untouched.
         base_name, base, base_source = out[0]
         if isinstance(base, CachedDraftModel):
@@ -197,6 +233,82 @@ def build_drafters(config: SpeculateConfig, target_tokenizer) -> list[tuple[str,
         out.append(_kept_cache(config, model, source, name, lean, compiled))
         if config.draft_stop == "both":
             out.append(_kept_cache(config, model, source, f"{name}-prob", lean, compiled, "probability"))
+    return out
+
+
+def target_gguf_path(config: SpeculateConfig) -> Path:
+    """--target-gguf, or the embedded target's own GGUF file."""
+    if config.target_gguf is not None:
+        return Path(config.target_gguf)
+    if not config.target.startswith("embedded:"):
+        raise ValueError(f"--engine llama.cpp with --target {config.target!r}: name the target's GGUF file with "
+                         "--target-gguf (only an embedded target brings its own)")
+    return embedded_gguf_path(config.target.removeprefix("embedded:"))
+
+
+def _llama_cpp_draft(name: str, path: str | os.PathLike, target_gguf: Path, n_ctx: int, threads: int,
+                     what: str) -> tuple[str, Drafter, dict]:
+    """A GGUF draft in llama.cpp, refused (with llama.cpp's own reasons) when llama.cpp would not speculate
+    with it for this target."""
+    from specdraft.drafting.llamacpp import LlamaCppDrafter
+    from specdraft.model.llamacpp import check_gguf_file, vocab_compatible
+
+    try:
+        path = check_gguf_file(path)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    check = vocab_compatible(target_gguf, path)
+    if not check["compatible"]:
+        raise ValueError(f"{what} {path}: llama.cpp finds its vocabulary incompatible with the target's "
+                         f"{target_gguf.name} ({check})")
+    return (name, LlamaCppDrafter(path, n_ctx=n_ctx, threads=threads, name=name),
+            {"kind": "llama.cpp", "gguf": str(path), "sha256": sha256_file(path)})
+
+
+def build_llama_cpp_drafters(config: SpeculateConfig, target_gguf: Path, n_ctx: int,
+                             threads: int) -> list[tuple[str, Drafter, dict]]:
+    """(name, drafter, source) for --engine llama.cpp: the --draft GGUF (and behind lookup), the target's own
+    file as its self-draft, every --also-draft GGUF, llama-cpp-python's n-gram drafter and prompt lookup."""
+    from specdraft.drafting.llamacpp import LlamaCppNgramDrafter
+
+    out: list[tuple[str, Drafter, dict]] = []
+    spec = config.draft
+    if spec not in ("lookup", "none"):
+        out.append(_llama_cpp_draft("draft", spec, target_gguf, n_ctx, threads, "--draft"))
+        if config.hybrid_min_ngram is not None:
+            _, behind, source = _llama_cpp_draft("draft", spec, target_gguf, n_ctx, threads, "--draft")
+            out.append(("draft+lookup", HybridDrafter(behind, config.hybrid_min_ngram, name="draft+lookup"),
+                        {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "draft": source}))
+    if config.self_draft:
+        out.append(_llama_cpp_draft("self", target_gguf, target_gguf, n_ctx, threads, "the target's own file"))
+    for item in config.also_draft:
+        name, _, path = item.partition("=")
+        if name in LLAMA_CPP_DRAFTER_NAMES:
+            raise ValueError(f"--also-draft {item!r}: with --engine llama.cpp the name {name!r} is taken "
+                             f"(the engine's own drafters: {sorted(LLAMA_CPP_DRAFTER_NAMES)})")
+        out.append(_llama_cpp_draft(name, path, target_gguf, n_ctx, threads, f"--also-draft {name}"))
+    if config.ngram_baseline:
+        out.append(("ngram", LlamaCppNgramDrafter(), {"kind": "llama-cpp-python LlamaPromptLookupDecoding",
+                                                      "max_ngram": 2}))
+    if config.baseline_lookup or spec == "lookup":
+        out.append(("lookup", LookupDrafter(), {"kind": "lookup"}))
+    return out
+
+
+def full_precision_gguf(source: Path, out_dir: Path, threads: int) -> Path:
+    """The target GGUF requantised to F32 by llama.cpp, kept in ``out_dir`` and reused while its source's
+    sha256 is the one recorded beside it."""
+    from specdraft.model.llamacpp import requantize
+
+    out = out_dir / f"{source.stem}.F32.gguf"
+    record = out.with_name(out.name + ".json")
+    source_sha = sha256_file(source)
+    if out.is_file() and record.is_file() and read_json(record).get("source_sha256") == source_sha:
+        return out
+    requantize(source, out, "F32", threads)
+    atomic_write_json(record, {"source": str(source), "source_sha256": source_sha, "file_type": "F32",
+                               "made_by": "llama_model_quantize (llama-quantize --allow-requantize)",
+                               "sha256": sha256_file(out)})
     return out
 
 
@@ -242,48 +354,36 @@ def _stop_rule_text(cfg: dict[str, Any]) -> str:
 
 def speculate_markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
-    base = report["baseline"]
-    lines = ["# Speculative decoding (greedy, lossless, batch 1)", "",
-             f"Target `{cfg['target']}`, draft `{cfg['draft']}`, {report['prompts']} prompts, "
-             f"max {cfg['max_new_tokens']} new tokens, target dtype {cfg['dtype']}, "
-             f"draft compute {cfg['draft_compute']}, torch threads {report['threads']}"
-             + _stop_rule_text(cfg)
-             + ("; its decode steps compiled (torch.compile)" if cfg.get("draft_compile", "off") != "off"
-                and cfg.get("draft_lean") != "off" else "") + ".", "",
-             f"Clock: **{report['clock']}** (tokens/s, speedup and best k use it; the other is in the JSON"
-             + ("; CPU time = this process's CPU seconds, at 1 thread immune to other processes' load"
-                if report["clock"] == "cpu" else "") + ").", "",
-             f"Plain greedy (same decode loop with no drafts, same run, alternated per prompt): "
-             f"**{base['tokens_per_s']:.2f} tokens/s** ({base['tokens']} tokens; wall {base['tokens_per_s_wall']:.2f}"
-             f", CPU {base['tokens_per_s_cpu']:.2f} tokens/s); `greedy_decode` (the reference): "
-             f"{report['greedy_decode']['tokens_per_s']:.2f} tokens/s.", "",
-             f"Output identical to plain greedy for every prompt, drafter and k: "
-             f"**{'yes' if report['lossless'] else 'NO (' + str(len(report['mismatches'])) + ' mismatches)'}**.", "",
-             "| drafter | k | tokens/s | speedup | speedup (wall) | speedup (CPU) | accepted drafts/step | "
-             "tokens/step | acceptance | draft time |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, res in report["drafters"].items():
-        for k, row in res["per_k"].items():
-            mark = " **(best)**" if int(k) == res["best_k"] else ""
-            lines.append(f"| {name} | {k}{mark} | {row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | "
-                         f"{row['speedup_wall']:.2f}x | {row['speedup_cpu']:.2f}x | "
-                         f"{row['accepted_per_step']:.2f} | {row['tokens_per_step']:.2f} | "
-                         f"{row['acceptance_rate']:.2f} | {row['draft_time_share']:.0%} |")
-    lines += ["", "accepted drafts/step = draft tokens kept per target verify pass; tokens/step adds the target's "
-              "own token; acceptance = accepted / drafted; draft time = share of wall time spent drafting."]
-    for name, res in report["drafters"].items():
-        shares = {k: row["lookup_step_share"] for k, row in res["per_k"].items() if "lookup_step_share" in row}
-        if shares:
-            lines.append(f"{name}: share of steps drafted by prompt lookup instead of the model: "
-                         + ", ".join(f"k={k} {v:.0%}" for k, v in shares.items()) + ".")
-    if report.get("repeats", 1) > 1:
-        lines += ["", f"Speed-up in each of the {report['repeats']} passes over the prompts (each against the plain "
-                      "greedy of the same pass): median and range, at each drafter's best k.", ""]
-        for name, res in report["drafters"].items():
-            row = res["per_k"][str(res["best_k"])]
-            low, high = row["speedup_range"]
-            lines.append(f"- {name} (k = {res['best_k']}): median {row['speedup_median']:.2f}x, range "
-                         f"{low:.2f}x to {high:.2f}x")
+    llama = cfg.get("engine") == "llama.cpp"
+    if llama:
+        header = ["# Speculative decoding in llama.cpp (greedy, batch 1)", "",
+                  f"Target `{(report.get('target') or {}).get('gguf', cfg['target'])}` "
+                  f"in llama.cpp (llama-cpp-python {report.get('llama_cpp_python')}), draft `{cfg['draft']}`, "
+                  f"{report['prompts']} prompts, max {cfg['max_new_tokens']} new tokens, {report['threads']} threads. "
+                  "Baseline: llama.cpp's own plain decoding of the same file (one token per pass), in the same run.",
+                  ""]
+    else:
+        header = ["# Speculative decoding (greedy, lossless, batch 1)", "",
+                  f"Target `{cfg['target']}`, draft `{cfg['draft']}`, {report['prompts']} prompts, "
+                  f"max {cfg['max_new_tokens']} new tokens, target dtype {cfg['dtype']}, "
+                  f"draft compute {cfg['draft_compute']}, torch threads {report['threads']}"
+                  + _stop_rule_text(cfg)
+                  + ("; its decode steps compiled (torch.compile)" if cfg.get("draft_compile", "off") != "off"
+                     and cfg.get("draft_lean") != "off" else "") + ".", "",
+                  "Baseline: specdraft's own engine (torch) decoding the target plainly, in the same run "
+                  f"(target dtype {cfg['dtype']}).", ""]
+    lines = header + [
+        f"Clock: **{report['clock']}** (tokens/s, speedup and best k use it; the other is in the JSON"
+        + ("; CPU time = this process's CPU seconds, at 1 thread immune to other processes' load"
+           if report["clock"] == "cpu" else "") + ").", ""]
+    lines += _results_markdown(report)
+    full = report.get("full_precision")
+    if full:
+        lines += ["", "## Full-precision target", "",
+                  f"The target at F32 (`{Path(full['target']['gguf']).name}`, llama.cpp's quantize of "
+                  f"`{Path(full['target']['from']).name}`) against its own 4-bit file as its draft, same prompts "
+                  "and k; the baseline is llama.cpp's plain decoding of the F32 file.", ""]
+        lines += _results_markdown(full)
     for name, error in report.get("compile_errors", {}).items():
         lines.append(f"{name}: torch.compile failed ({error}); its steps ran eagerly.")
     if report.get("plot"):
@@ -291,6 +391,81 @@ def speculate_markdown(report: dict[str, Any]) -> str:
     if report.get("note"):
         lines += ["", report["note"]]
     return "\n".join(lines) + "\n"
+
+
+def _results_markdown(result: dict[str, Any]) -> list[str]:
+    """One engine run's tables: the baseline, every drafter and k, the spread over passes, the prediction."""
+    base, exact = result["baseline"], result.get("exact_engine", True)
+    lines = [f"Plain greedy (same decode loop with no drafts, same run, alternated per prompt): "
+             f"**{base['tokens_per_s']:.2f} tokens/s** ({base['tokens']} tokens; wall {base['tokens_per_s_wall']:.2f}"
+             f", CPU {base['tokens_per_s_cpu']:.2f} tokens/s); the reference decode: "
+             f"{result['greedy_decode']['tokens_per_s']:.2f} tokens/s.", ""]
+    if exact:
+        lines.append(f"Output identical to plain greedy for every prompt, drafter and k: "
+                     f"**{'yes' if result['lossless'] else 'NO (' + str(len(result['mismatches'])) + ' mismatches)'}"
+                     "**.")
+    else:
+        runs = sum(1 for row in result["per_prompt"] for key in row["runs"] if key != "baseline")
+        lines.append(f"Outputs equal to the engine's plain greedy: **{runs - len(result['mismatches'])} of {runs}** "
+                     "runs. This engine's multi-token passes round differently from its one-token passes (by "
+                     "design), so a near-tie can go the other way; where outputs part is in the JSON "
+                     "(`mismatches`: prompt, drafter, k, first differing token).")
+    lines += ["", "| drafter | k | tokens/s | speedup | predicted | speedup (wall) | speedup (CPU) | "
+                  "accepted drafts/step | tokens/step | acceptance | draft time |" + ("" if exact else " = plain |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|" + ("" if exact else "---|")]
+    for name, res in result["drafters"].items():
+        for k, row in res["per_k"].items():
+            mark = " **(best)**" if int(k) == res["best_k"] else ""
+            predicted = row.get("predicted_speedup")
+            lines.append(f"| {name} | {k}{mark} | {row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | "
+                         + (f"{predicted:.2f}x" if predicted is not None else "-")
+                         + f" | {row['speedup_wall']:.2f}x | {row['speedup_cpu']:.2f}x | "
+                         f"{row['accepted_per_step']:.2f} | {row['tokens_per_step']:.2f} | "
+                         f"{row['acceptance_rate']:.2f} | {row['draft_time_share']:.0%} |"
+                         + ("" if exact else f" {row.get('equal_to_plain_greedy', 0):.0%} |"))
+    lines += ["", "accepted drafts/step = draft tokens kept per target verify pass; tokens/step adds the target's "
+              "own token; acceptance = accepted / drafted; draft time = share of wall time spent drafting; "
+              "predicted = the speed-up predicted from measured costs (below), before this table was measured."]
+    for name, res in result["drafters"].items():
+        shares = {k: row["lookup_step_share"] for k, row in res["per_k"].items() if "lookup_step_share" in row}
+        if shares:
+            lines.append(f"{name}: share of steps drafted by prompt lookup instead of the model: "
+                         + ", ".join(f"k={k} {v:.0%}" for k, v in shares.items()) + ".")
+    if result.get("repeats", 1) > 1:
+        lines += ["", f"Speed-up in each of the {result['repeats']} passes over the prompts (each against the plain "
+                      "greedy of the same pass): median and range, at each drafter's best k.", ""]
+        for name, res in result["drafters"].items():
+            row = res["per_k"][str(res["best_k"])]
+            low, high = row["speedup_range"]
+            lines.append(f"- {name} (k = {res['best_k']}): median {row['speedup_median']:.2f}x, range "
+                         f"{low:.2f}x to {high:.2f}x")
+    if result.get("prediction"):
+        lines += [""] + prediction_markdown(result["prediction"])
+    return lines
+
+
+def prediction_markdown(prediction: dict[str, Any]) -> list[str]:
+    """The predicted speed-ups beside the measured ones, the costs they come from, and the verdict."""
+    costs = prediction["costs"]
+    passes = ", ".join(f"{n}: {1000 * s:.1f} ms" for n, s in costs["pass_seconds"].items()
+                       if int(n) in (1, 2, 3, 5, 9, 17) or n == max(costs["pass_seconds"], key=int))
+    lines = ["### Predicted from measured costs", "",
+             f"Target passes ({prediction['engine']}, median seconds by tokens in the pass) {passes}. "
+             "speed-up(k) = E_k c_1 / (c_v(k+1) + c_d(k)): E_k tokens per step from the drafter's acceptance per "
+             "position, c_d its draft seconds per step (a replay of the drafter over the target's greedy output), "
+             "c_v the pass over the drafted tokens + 1 (drafting.prediction).", "",
+             "| drafter | k | predicted | measured | predicted / measured | tokens/step | draft cost per token "
+             "(target steps) | acceptance at positions 1, 2, 4, k |", "|---|---|---|---|---|---|---|---|"]
+    for name, rows in prediction["drafters"].items():
+        for k, row in rows.items():
+            acc = row["acceptance_per_position"]
+            picks = ", ".join(f"{acc[i - 1]:.2f}" for i in sorted({1, 2, 4, int(k)}) if i <= len(acc))
+            ratio = row.get("predicted_over_measured")
+            lines.append(f"| {name} | {k} | {row['predicted_speedup']:.2f}x | {row.get('measured_speedup', 0):.2f}x | "
+                         + (f"{ratio:.2f}" if ratio else "-") + f" | {row['tokens_per_step']:.2f} | "
+                         f"{row['draft_cost_per_token_vs_target_step']:.2f} | {picks} |")
+    lines += [""] + [f"- {line}" for line in prediction["verdict"]]
+    return lines
 
 
 def _compile_errors(drafters: list[tuple[str, Drafter, dict]]) -> dict[str, str]:
@@ -303,33 +478,88 @@ def _compile_errors(drafters: list[tuple[str, Drafter, dict]]) -> dict[str, str]
     return errors
 
 
+def _load_target(config: SpeculateConfig, tokenizer, prompts: list[Prompt], stack: ExitStack
+                 ) -> tuple[TargetModel, list[tuple[str, Drafter, dict]], dict[str, Any]]:
+    """The target, the drafters and the target's source record, for the configured engine (all closed by
+    ``stack``)."""
+    if config.engine == "torch":
+        model = load_model(config.target, dtype=getattr(torch, config.dtype), device=resolve_device(config.device))
+        drafters = build_drafters(config, tokenizer)
+        stack.callback(_close_all, drafters)
+        return TorchTarget(model), drafters, describe_source(config.target)
+    from specdraft.model.llamacpp import LlamaCppTarget
+
+    gguf, threads, n_ctx = target_gguf_path(config), _llama_threads(config), _context_size(config, prompts)
+    target = LlamaCppTarget(gguf, n_ctx=n_ctx, threads=threads)
+    stack.callback(target.close)
+    drafters = build_llama_cpp_drafters(config, gguf, n_ctx, threads)
+    stack.callback(_close_all, drafters)
+    return target, drafters, {"engine": "llama.cpp", "gguf": str(gguf), "sha256": sha256_file(gguf),
+                              "tokenizer": describe_source(config.target)}
+
+
+def _close_all(drafters: list[tuple[str, Drafter, dict]]) -> None:
+    for _, drafter, _ in drafters:
+        drafter.close()
+
+
+def _llama_threads(config: SpeculateConfig) -> int:
+    return config.threads or os.cpu_count() or 1
+
+
+def _context_size(config: SpeculateConfig, prompts: list[Prompt]) -> int:
+    return max(len(p.ids) for p in prompts) + config.max_new_tokens + max(config.k) + 8
+
+
+def _full_precision(config: SpeculateConfig, prompts: list[Prompt], out: Path) -> dict[str, Any]:
+    """The F32 target against the target's own 4-bit file as its draft, timed like the main table."""
+    from specdraft.model.llamacpp import LlamaCppTarget
+
+    gguf, threads, n_ctx = target_gguf_path(config), _llama_threads(config), _context_size(config, prompts)
+    f32 = full_precision_gguf(gguf, out, threads)
+    with ExitStack() as stack:
+        target = LlamaCppTarget(f32, n_ctx=n_ctx, threads=threads, name="target-F32")
+        stack.callback(target.close)
+        drafters = [_llama_cpp_draft("self-4bit", gguf, f32, n_ctx, threads, "the target's own file")]
+        stack.callback(_close_all, drafters)
+        result = run_speculation_bench(target, drafters, prompts, config.k, config.max_new_tokens,
+                                       warmup=config.warmup, progress=True, clock=config.clock,
+                                       repeats=config.repeats, predict=config.predict)
+    return {"target": {"gguf": str(f32), "sha256": sha256_file(f32), "from": str(gguf)},
+            "drafters": {name: source for name, _, source in drafters}, **result}
+
+
 def run_speculate(config: SpeculateConfig) -> int:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     if config.threads:
         torch.set_num_threads(config.threads)
-    with stage_log(out / "speculate.log"):
+    with stage_log(out / "speculate.log"), ExitStack() as stack:
         if config.clock == "cpu" and torch.get_num_threads() != 1:
             log.warning("clock=cpu with %d torch threads: CPU seconds add up over threads, so tokens/s on that "
                         "clock is not a rate you would see; use --threads 1", torch.get_num_threads())
         if config.clock == "cpu" and config.draft.startswith(("http://", "https://")):
             log.warning("clock=cpu with a draft server: the server's CPU time is not counted")
         tokenizer = load_tokenizer(config.target)
-        target = load_model(config.target, dtype=getattr(torch, config.dtype), device=resolve_device(config.device))
         prompts = load_prompts(config.prompts, tokenizer, config.num_prompts, config.chat_template)
-        drafters = build_drafters(config, tokenizer)
-        log.info("%d prompts, drafters %s, k %s, %d new tokens", len(prompts), [d[0] for d in drafters],
-                 config.k, config.max_new_tokens)
-        try:
-            result = run_speculation_bench(target, drafters, prompts, config.k, config.max_new_tokens,
-                                           warmup=config.warmup, progress=True, clock=config.clock,
-                                           repeats=config.repeats)
-        finally:
-            for _, drafter, _ in drafters:
-                drafter.close()
+        target, drafters, target_source = _load_target(config, tokenizer, prompts, stack)
+        log.info("%s engine: %d prompts, drafters %s, k %s, %d new tokens", config.engine, len(prompts),
+                 [d[0] for d in drafters], config.k, config.max_new_tokens)
+        result = run_speculation_bench(target, drafters, prompts, config.k, config.max_new_tokens,
+                                       warmup=config.warmup, progress=True, clock=config.clock,
+                                       repeats=config.repeats, predict=config.predict)
+        threads = _llama_threads(config) if config.engine == "llama.cpp" else torch.get_num_threads()
         report: dict[str, Any] = {"config": config.to_json_dict(), "note": config.note, "prompts": len(prompts),
-                                  "threads": torch.get_num_threads(), **result,
+                                  "threads": threads, "target": target_source, **result,
                                   "compile_errors": _compile_errors(drafters)}
+        if config.engine == "llama.cpp":
+            from specdraft.model.llamacpp import llama_cpp_version
+
+            report["llama_cpp_python"] = llama_cpp_version()
+            stack.close()  # the main table's models out of memory before the full-precision target loads
+            if config.full_precision:
+                atomic_write_json(out / "speculate.json", report)
+                report["full_precision"] = _full_precision(config, prompts, out)
         # the measurements first: a failure while rendering them must not lose a long run (rewritten below with
         # the rendered files' records)
         atomic_write_json(out / "speculate.json", report)
@@ -337,11 +567,11 @@ def run_speculate(config: SpeculateConfig) -> int:
             {name: {int(k): row["tokens_per_s"] for k, row in res["per_k"].items()}
              for name, res in result["drafters"].items()},
             result["baseline"]["tokens_per_s"], out / "speculate_tokens_per_s.png",
-            ylabel=f"tokens/s ({config.clock} clock)").name
+            ylabel=f"tokens/s ({config.clock} clock, {config.engine})").name
         atomic_write_text(out / "speculate.md", speculate_markdown(report))
         report["provenance"] = {
             **run_metadata(), "stage": "speculate",
-            "target": describe_source(config.target),
+            "target": target_source,
             "drafters": {name: source for name, _, source in drafters},
             "prompts_sha256": sha256_file(config.prompts),
             "files": {n: sha256_file(out / n) for n in ("speculate.md", report["plot"])},
@@ -350,10 +580,11 @@ def run_speculate(config: SpeculateConfig) -> int:
         base = result["baseline"]["tokens_per_s"]
         for name, res in result["drafters"].items():
             msg = (f"{name}: best k={res['best_k']} {res['best_tokens_per_s']:.2f} tok/s = "
-                   f"{res['best_speedup']:.2f}x plain greedy ({base:.2f} tok/s, {config.clock} clock)")
+                   f"{res['best_speedup']:.2f}x plain greedy ({base:.2f} tok/s, {config.clock} clock, "
+                   f"{config.engine})")
             log.info(msg)
             print(msg)
-        if result["mismatches"]:
+        if result["mismatches"] and result["exact_engine"]:
             log.error("%d speculative runs differ from plain greedy: see %s", len(result["mismatches"]),
                       out / "speculate.json")
             print(f"ERROR: {len(result['mismatches'])} speculative outputs differ from plain greedy")

@@ -1,0 +1,60 @@
+"""Drafters that run in llama.cpp (llama-cpp-python): a draft GGUF with its KV cache kept across steps -- any
+``specdraft export`` output, or a target's own file as its self-draft -- and llama-cpp-python's n-gram drafter
+(``LlamaPromptLookupDecoding``, the binding's own prompt lookup)."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+from specdraft.drafting.base import Drafter
+from specdraft.model.llamacpp import LlamaCppModel, llama_cpp_module
+
+
+class LlamaCppDrafter(Drafter):
+    """Greedy drafts from a GGUF model in llama.cpp. Each call keeps the longest common prefix of the cached
+    tokens and the new context (the accepted part of the previous draft), feeds the rest in one batch, then
+    decodes one token at a time: what ``llama-speculative-simple``'s draft does."""
+
+    def __init__(self, path: str | os.PathLike, n_ctx: int = 4096, threads: int | None = None, name: str = "draft"):
+        self.model, self.name = LlamaCppModel(path, n_ctx=n_ctx, threads=threads), name
+        self.path = self.model.path
+
+    def draft_one(self, context: Sequence[int], num_tokens: int) -> list[int]:
+        context = [int(t) for t in context]
+        if num_tokens < 1:
+            return []
+        have = self.model.tokens
+        common = next((i for i, (x, y) in enumerate(zip(have, context)) if x != y), min(len(have), len(context)))
+        start = min(common, len(context) - 1)  # at least the last token is fed: its logits start the draft
+        out = [int(self.model.decode(context[start:], start)[-1].argmax())]
+        while len(out) < num_tokens:
+            out.append(int(self.model.decode(out[-1:], len(context) + len(out) - 1)[-1].argmax()))
+        return out
+
+    def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
+        return [self.draft_one(c, num_tokens) for c in contexts]
+
+    def reset(self) -> None:
+        self.model.truncate(0)
+
+    def close(self) -> None:
+        self.model.close()
+
+
+class LlamaCppNgramDrafter(Drafter):
+    """llama-cpp-python's ``LlamaPromptLookupDecoding``: the first earlier occurrence of the context's last
+    ``max_ngram`` (then fewer) tokens, and what followed it; nothing without a match."""
+
+    def __init__(self, max_ngram: int = 2, name: str = "ngram"):
+        speculative = llama_cpp_module().llama_speculative
+        self.lookup, self.name = speculative.LlamaPromptLookupDecoding(max_ngram_size=max_ngram), name
+
+    def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
+        out = []
+        for context in contexts:
+            self.lookup.num_pred_tokens = num_tokens
+            out.append([int(t) for t in self.lookup(np.asarray(context, dtype=np.intc))])
+        return out

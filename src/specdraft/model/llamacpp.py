@@ -1,0 +1,208 @@
+"""llama.cpp, the CPU engine users run, through llama-cpp-python (the optional extra ``specdraft[llama]``).
+
+``LlamaCppModel`` is one GGUF file with one sequence's KV cache, driven through llama.cpp's C API: a batch of
+tokens at given positions, logits only where they are needed (one row for a plain step, k + 1 for a verify
+pass), the cache cut back to the tokens kept. ``LlamaCppTarget`` is that model as speculative decoding's
+target. ``requantize`` is llama.cpp's ``llama-quantize`` (full-precision targets from a quantised file);
+``vocab_compatible`` is the draft/target vocabulary check llama.cpp runs before it speculates.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from specdraft.model.targets import TargetModel
+
+INSTALL_HINT = "pip install 'specdraft[llama]' (llama-cpp-python, which builds llama.cpp)"
+GGUF_MAGIC = b"GGUF"
+# the llama_ftype values of llama.h that requantize takes, by name
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
+
+
+def llama_cpp_module():
+    """The llama_cpp package, or an ImportError that says how to install it."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ImportError(f"the llama.cpp engine needs llama-cpp-python: {INSTALL_HINT} ({e})") from e
+    return llama_cpp
+
+
+def llama_cpp_available() -> bool:
+    try:
+        llama_cpp_module()
+    except ImportError:
+        return False
+    return True
+
+
+def llama_cpp_version() -> str | None:
+    try:
+        return llama_cpp_module().__version__
+    except ImportError:
+        return None
+
+
+def check_gguf_file(path: str | os.PathLike) -> Path:
+    """The path, when it is a file that starts like a GGUF file; else ValueError naming it and the reason."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such GGUF file")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, not {GGUF_MAGIC!r})")
+    return path
+
+
+class LlamaCppModel:
+    """A GGUF model in llama.cpp holding one sequence. ``tokens`` mirrors what its KV cache holds."""
+
+    def __init__(self, path: str | os.PathLike, n_ctx: int = 4096, threads: int | None = None,
+                 n_batch: int = 512):
+        lib = llama_cpp_module()
+        self.lib, self.path = lib, check_gguf_file(path)
+        threads = threads or os.cpu_count() or 1
+        try:
+            self.llm = lib.Llama(str(self.path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+                                 n_threads_batch=threads, verbose=False)
+        except (ValueError, RuntimeError) as e:  # llama.cpp refused the file (truncated, unknown architecture)
+            raise ValueError(f"{self.path}: llama.cpp could not load it ({e})") from e
+        self.threads, self.n_ctx, self.n_batch = threads, n_ctx, n_batch
+        self.vocab_size = self.llm.n_vocab()
+        vocab = lib.llama_model_get_vocab(self.llm.model)
+        self.eog_ids = frozenset(t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(vocab, t))
+        self.batch = lib.llama_batch_init(n_batch, 0, 1)
+        self.memory = lib.llama_get_memory(self.llm.ctx)
+        self.tokens: list[int] = []
+
+    def truncate(self, length: int) -> None:
+        if length < len(self.tokens):
+            self.lib.llama_memory_seq_rm(self.memory, 0, length, -1)
+            del self.tokens[length:]
+
+    def decode(self, tokens: Sequence[int], start: int, n_logits: int = 1) -> np.ndarray:
+        """Feed ``tokens`` at positions start.. (the cache cut there first); the logits after each of the last
+        ``n_logits`` of them, [n_logits, vocab] (a copy)."""
+        tokens = [int(t) for t in tokens]
+        if not tokens or not 1 <= n_logits <= len(tokens):
+            raise ValueError(f"decode: {len(tokens)} tokens, {n_logits} logit rows")
+        if start > len(self.tokens):
+            raise ValueError(f"decode at position {start}: the cache holds only {len(self.tokens)} positions")
+        if start + len(tokens) > self.n_ctx:
+            raise ValueError(f"{self.path.name}: {start + len(tokens)} positions exceed the context of {self.n_ctx}")
+        self.truncate(start)
+        first_logit = len(tokens) - n_logits
+        rows = []
+        for offset in range(0, len(tokens), self.n_batch):
+            chunk = tokens[offset:offset + self.n_batch]
+            batch = self.batch
+            batch.n_tokens = len(chunk)
+            for i, tok in enumerate(chunk):
+                batch.token[i] = tok
+                batch.pos[i] = start + offset + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = offset + i >= first_logit
+            code = self.lib.llama_decode(self.llm.ctx, batch)
+            if code != 0:
+                self.truncate(start)
+                raise RuntimeError(f"{self.path.name}: llama_decode returned {code}")
+            self.tokens += chunk
+            for i in range(max(0, first_logit - offset), len(chunk)):
+                ptr = self.lib.llama_get_logits_ith(self.llm.ctx, i)
+                rows.append(np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy())
+        return np.stack(rows)
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self.lib.llama_batch_free(self.batch)
+            self.batch = None
+        self.llm.close()
+
+
+class LlamaCppTarget(TargetModel):
+    """A GGUF target in llama.cpp: greedy argmax of its logits. Not ``exact``: llama.cpp computes a pass over
+    several tokens with other kernels (and roundings) than a one-token pass, so a verify pass may part from
+    plain decoding at a near-tie."""
+
+    engine = "llama.cpp"
+    exact = False
+
+    def __init__(self, path: str | os.PathLike, n_ctx: int = 4096, threads: int | None = None, name: str = "target"):
+        self.model = LlamaCppModel(path, n_ctx=n_ctx, threads=threads)
+        self.name, self.path = name, self.model.path
+        self.vocab_size = self.model.vocab_size
+        self.eos_ids = self.model.eog_ids
+
+    def prefill(self, prompt: Sequence[int]) -> int:
+        self.model.truncate(0)
+        return int(self.model.decode(prompt, 0)[-1].argmax())
+
+    def verify(self, tokens: Sequence[int], start: int) -> list[int]:
+        return self.model.decode(tokens, start, n_logits=len(tokens)).argmax(-1).tolist()
+
+    def truncate(self, length: int) -> None:
+        self.model.truncate(length)
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def requantize(source: str | os.PathLike, out: str | os.PathLike, file_type: str = "F32",
+               threads: int | None = None) -> Path:
+    """``llama-quantize --allow-requantize SOURCE OUT FILE_TYPE`` through the library: e.g. the embedded target's
+    Q4_1 file at F32, a full-precision target of the same weights."""
+    lib = llama_cpp_module()
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"file type {file_type!r}: one of {sorted(FILE_TYPES)}")
+    source, out = check_gguf_file(source), Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = FILE_TYPES[file_type]
+    params.allow_requantize = True
+    params.nthread = threads or os.cpu_count() or 1
+    partial = out.with_name(out.name + ".partial")
+    code = lib.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
+    if code != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize {source} -> {file_type} returned {code}")
+    os.replace(partial, out)
+    return out
+
+
+def vocab_compatible(target: str | os.PathLike, draft: str | os.PathLike) -> dict[str, Any]:
+    """llama.cpp's ``common_speculative_are_compatible`` (common/speculative.cpp) through its C API: the facts it
+    compares and its verdict."""
+    lib = llama_cpp_module()
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    models = [lib.llama_model_load_from_file(str(check_gguf_file(p)).encode(), params) for p in (target, draft)]
+    try:
+        if not all(models):
+            raise ValueError(f"llama.cpp could not read the vocabulary of {target} or {draft}")
+        t, d = (lib.llama_model_get_vocab(m) for m in models)
+        n_t, n_d = lib.llama_vocab_n_tokens(t), lib.llama_vocab_n_tokens(d)
+        text = lib.llama_vocab_get_text
+        differ = [i for i in range(5, min(n_t, n_d)) if text(t, i) != text(d, i)]
+        out = {"vocab_type": [lib.llama_vocab_type(t), lib.llama_vocab_type(d)],
+               "add_bos": [lib.llama_vocab_get_add_bos(t), lib.llama_vocab_get_add_bos(d)],
+               "bos": [lib.llama_vocab_bos(t), lib.llama_vocab_bos(d)],
+               "add_eos": [lib.llama_vocab_get_add_eos(t), lib.llama_vocab_get_add_eos(d)],
+               "eos": [lib.llama_vocab_eos(t), lib.llama_vocab_eos(d)], "n_tokens": [n_t, n_d],
+               "token_texts_differing": len(differ)}
+    finally:
+        for m in models:
+            if m:
+                lib.llama_model_free(m)
+    out["compatible"] = (out["vocab_type"][0] == out["vocab_type"][1] and out["add_bos"][0] == out["add_bos"][1]
+                         and (not out["add_bos"][0] or out["bos"][0] == out["bos"][1])
+                         and out["add_eos"][0] == out["add_eos"][1]
+                         and (not out["add_eos"][0] or out["eos"][0] == out["eos"][1])
+                         and abs(n_t - n_d) <= 128 and not differ)
+    return out
