@@ -1,5 +1,6 @@
-"""The demo: its default data, its summary (what the draft saw, what each row means, a verdict, what the larger
-budgets reach), and the audit at the end."""
+"""The demo: its default data, its summary (what the draft saw, what each row means, the speed in each engine
+with its baseline, a verdict computed from the figures, what the larger budgets reach), and the audit at the
+end."""
 
 import json
 import os
@@ -9,6 +10,42 @@ import pytest
 
 import specdraft.demo as demo
 from specdraft.data.corpus import heldout_path
+from specdraft.stages.pack import PackResult
+
+# the target's measured pass costs: a pass over 5 tokens (k = 4) costs two one-token steps
+PASS_SECONDS = {"1": 0.02, "3": 0.03, "5": 0.04}
+
+
+def _speculate_report(rows, engine="torch", baseline=20.0, verdict=(), **extra):
+    """A speculate.json with the fields the summary reads; ``rows``: {drafter: (best k, median speed-up, range over
+    passes, predicted speed-up, share equal to plain greedy, draft cost per token in target steps)}."""
+    return {"prompts": 6, "repeats": 3, "clock": "wall", "lossless": True, "engine": engine,
+            "exact_engine": engine == "torch", "config": {"max_new_tokens": 64, "dtype": "float32"},
+            "baseline": {"tokens_per_s": baseline},
+            "drafters": {name: {"best_k": k, "best_tokens_per_s": baseline * s, "best_speedup": s,
+                                "per_k": {str(k): {"accepted_per_step": 1.0, "speedup_median": s, "speedup_range": r,
+                                                   "predicted_speedup": p, "equal_to_plain_greedy": equal}}}
+                         for name, (k, s, r, p, equal, _) in rows.items()},
+            "prediction": {"engine": engine, "verdict": list(verdict), "costs": {"pass_seconds": PASS_SECONDS},
+                           "drafters": {name: {str(k): {"predicted_speedup": p,
+                                                        "draft_cost_per_token_vs_target_step": cost}}
+                                        for name, (k, _, _, p, _, cost) in rows.items()}},
+            **extra}
+
+
+TORCH_ROWS = {"draft": (2, 1.02, [0.95, 1.10], 1.05, 1.0, 0.4), "draft+lookup": (2, 1.10, [1.0, 1.2], 1.1, 1.0, 0.3),
+              "lookup": (4, 1.08, [1.01, 1.15], 1.1, 1.0, 0.01), "self": (16, 1.9, [1.8, 2.0], 2.0, 1.0, 0.2)}
+# llama.cpp where nothing pays: every drafter at most 1x, measured and predicted
+LLAMA_ROWS = {"draft": (4, 0.50, [0.49, 0.51], 0.48, 1.0, 2.85), "draft+lookup": (4, 0.49, [0.48, 0.51], 0.33, 1, 4.2),
+              "self": (4, 0.68, [0.59, 0.77], 0.45, 0.75, 4.9), "ngram": (4, 0.78, [0.71, 0.84], 0.75, 1.0, 2.2),
+              "lookup": (4, 0.99, [0.93, 1.04], 0.82, 1.0, 1.25)}
+LLAMA_VERDICT = ["llama.cpp: a pass over k + 1 tokens costs 2.42x a one-token step (k = 4).",
+                 "self: a drafted token costs 4.91x a target step, so even with every token accepted it cannot pay."]
+LLAMA_REPORT = _speculate_report(
+    LLAMA_ROWS, "llama.cpp", baseline=45.5, verdict=LLAMA_VERDICT, threads=2, llama_cpp_python="0.3.36",
+    target={"gguf": "/x/SmolLM2-135M-Instruct-Q4_1.gguf"},
+    full_precision={**_speculate_report({"self-4bit": (4, 0.58, [0.58, 0.59], 0.61, 1.0, 3.6)}, "llama.cpp",
+                                        baseline=30.0), "target": {"gguf": "/x/run/SmolLM2.F32.gguf"}})
 
 STUB_FILES = {  # what the stubbed stages would write, with the fields the summary reads
     "prompts/prompts.stats.json": {"total": 2210, "corpora": {
@@ -24,38 +61,86 @@ STUB_FILES = {  # what the stubbed stages would write, with the fields the summa
     "eval/lookup/report.json": {"mean_accepted_pooled": 1.1, "mean_accepted_per_prompt": 1.0, "points": 52},
     "eval/trained_lookup/report.json": {"mean_accepted_pooled": 1.3, "mean_accepted_per_prompt": 1.2, "points": 52},
     "eval/self/report.json": {"mean_accepted_pooled": 14.9, "mean_accepted_per_prompt": 14.8, "points": 52},
-    "model/architecture.json": {"bytes": 1000, "parameters": 10},
-    "model_self/architecture.json": {"bytes": 2000, "parameters": 20},
-    "speculate/speculate.json": {
-        "prompts": 6, "repeats": 3, "clock": "wall", "lossless": True, "config": {"max_new_tokens": 64},
-        "baseline": {"tokens_per_s": 20.0},
-        "drafters": {name: {"best_k": k, "best_tokens_per_s": 20 * s, "best_speedup": s,
-                            "per_k": {str(k): {"accepted_per_step": 1.0, "speedup_median": s, "speedup_range": r}}}
-                     for name, k, s, r in (("draft", 2, 1.02, [0.95, 1.10]), ("draft+lookup", 2, 1.10, [1.0, 1.2]),
-                                           ("lookup", 4, 1.08, [1.01, 1.15]), ("self", 16, 1.9, [1.8, 2.0]))}},
+    # the keys the pack writes, and none of the names an older summary guessed
+    "model/architecture.json": {"bytes": 1000, "parameters": 10, "tensors": 3},
+    "model_self/architecture.json": {"bytes": 2000, "parameters": 20, "tensors": 3},
+    "speculate/speculate.json": _speculate_report(TORCH_ROWS),
 }
 
 
-def _stub_run(tmp_path, monkeypatch, audit_exit=0):
+def _stub_run(tmp_path, monkeypatch, audit_exit=0, llama=False, run=(), files=None):
+    """Stages stubbed to their files (``files`` over STUB_FILES); llama-cpp-python installed or not; the stages
+    named in ``run`` run their function (with whatever the test stubs below them)."""
     calls: list[str] = []
-    monkeypatch.setattr(demo, "_stage", lambda run_dir, name, fingerprint, fn: calls.append(name))
+    stages: dict[str, dict] = {}
+
+    def stage(run_dir, name, fingerprint, fn):
+        calls.append(name)
+        stages[name] = {"fingerprint": fingerprint, "result": fn() if name in run else None}
+        return stages[name]["result"]
+    monkeypatch.setattr(demo, "_stage", stage)
+    monkeypatch.setattr(demo, "llama_cpp_available", lambda: llama)
     monkeypatch.setattr(demo, "run_selfcheck", lambda cfg: calls.append("selfcheck") or 0)
     monkeypatch.setattr(demo, "run_audit", lambda cfg: calls.append(f"audit {cfg.run_dir}") or audit_exit)
-    run = tmp_path / "demo"
-    for name, content in STUB_FILES.items():
-        (run / name).parent.mkdir(parents=True, exist_ok=True)
-        (run / name).write_text(json.dumps(content))
-    return run, calls
+    run_dir = tmp_path / "demo"
+    for name, content in {**STUB_FILES, **(files or {})}.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(json.dumps(content))
+    return run_dir, calls, stages
+
+
+def _benchmarks(tmp_path, monkeypatch, blocks: dict[str, str]):
+    """A BENCHMARKS.md holding only these blocks."""
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text("# Benchmarks\n\n" + "".join(f"<!-- {n} -->\n{text}\n<!-- /{n} -->\n\n"
+                                                  for n, text in blocks.items()))
+    monkeypatch.setattr(demo, "BENCHMARKS", path)
 
 
 @pytest.mark.parametrize("audit_exit", [0, 1])
 def test_demo_ends_with_the_audit_and_fails_with_it(tmp_path, monkeypatch, audit_exit):
     """`specdraft demo` runs the audit last on its run dir and exits 1 when the audit fails (stages stubbed)."""
-    run, calls = _stub_run(tmp_path, monkeypatch, audit_exit)
+    run, calls, _ = _stub_run(tmp_path, monkeypatch, audit_exit)
     rc = demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(tmp_path / "eval.jsonl")))
     assert calls[-3:] == ["speculate", "selfcheck", f"audit {run}"] and "pack_self" in calls and "eval_self" in calls
     assert calls.index("pack") < calls.index("export") < calls.index("selfcheck")  # the audit follows the export
+    assert "speculate_llama_cpp" not in calls  # llama-cpp-python is not installed
     assert rc == audit_exit and json.loads((run / "demo_summary.json").read_text())["audit_exit"] == audit_exit
+
+
+@pytest.mark.parametrize("budget", ["small", "default"])
+def test_with_llama_cpp_installed_the_demo_speculates_there_with_the_exported_draft(tmp_path, monkeypatch, budget):
+    run, calls, stages = _stub_run(tmp_path, monkeypatch, llama=True, run=("speculate_llama_cpp",),
+                                   files={"speculate_llama_cpp/speculate.json": LLAMA_REPORT})
+    configs = []
+    monkeypatch.setattr(demo, "run_speculate", lambda cfg: configs.append(cfg) or 0)
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(tmp_path / "eval.jsonl"), budget=budget, threads=1))
+    assert calls.index("export") < calls.index("speculate") < calls.index("speculate_llama_cpp") < calls.index(
+        "selfcheck")
+    [cfg] = configs
+    want = demo.BUDGETS[budget]
+    assert cfg.engine == "llama.cpp" and cfg.draft == str(run / "export" / "draft.gguf") and cfg.target_gguf is None
+    assert cfg.out == run / "speculate_llama_cpp" and cfg.prompts == tmp_path / "eval.jsonl"
+    assert (cfg.threads, cfg.clock) == (1, "cpu")  # as the torch engine's speculation at one thread
+    assert (cfg.k, cfg.full_precision) == (want.llama_k, want.llama_full_precision)
+    assert (cfg.num_prompts, cfg.max_new_tokens, cfg.repeats) == (want.spec_prompts, want.spec_tokens,
+                                                                  want.spec_repeats)
+    # its marker changes with the draft (its export, pack and training) and with the engine's version
+    fingerprint = stages["speculate_llama_cpp"]["fingerprint"]
+    assert {"export", "pack", "train", "llama_cpp_python"} <= set(fingerprint)
+    assert fingerprint["export"]["out"] == str(run / "export" / "draft.gguf")
+
+
+def test_the_pack_stages_record_the_bytes_the_pack_wrote(tmp_path, monkeypatch):
+    run, _, stages = _stub_run(tmp_path, monkeypatch, run=("pack", "pack_self"))
+    monkeypatch.setattr(demo, "run_pack", lambda cfg: PackResult(bytes=4321 if cfg.out.endswith("model") else 8765))
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(tmp_path / "eval.jsonl")))
+    assert stages["pack"]["result"] == {"bytes": 4321} and stages["pack_self"]["result"] == {"bytes": 8765}
+    summary = json.loads((run / "demo_summary.json").read_text())
+    assert summary["pack"] == {"bytes": 1000, "parameters": 10}  # architecture.json's keys
+    assert summary["pack_self"] == {"bytes": 2000, "parameters": 20}
+    assert "Pack: 1000 bytes, 10 parameters (self-draft: 2000 bytes, 20 parameters)" in (
+        run / "demo_summary.md").read_text()
 
 
 def test_without_shared_data_the_demo_uses_the_packaged_corpus(tmp_path, monkeypatch):
@@ -66,7 +151,7 @@ def test_without_shared_data_the_demo_uses_the_packaged_corpus(tmp_path, monkeyp
 
 
 def test_the_summary_says_what_the_draft_saw_and_what_its_numbers_mean(tmp_path, monkeypatch):
-    run, _ = _stub_run(tmp_path, monkeypatch)
+    run, _, _ = _stub_run(tmp_path, monkeypatch)
     demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path())))
     text = (run / "demo_summary.md").read_text()
     # what the draft saw
@@ -75,23 +160,125 @@ def test_the_summary_says_what_the_draft_saw_and_what_its_numbers_mean(tmp_path,
     assert "96 of them (5800 tokens); 91 trained on, 5 held out" in text
     assert "28 steps over 11200 tokens in 2.9 min; the draft starts as 24 of the target's layers, the first 12" in text
     assert "52 points" in text and "16 prompts" in text
-    # each row's meaning, and the speculation measured over passes
+    # each row's meaning, and the speculation measured over passes, labelled with its engine and baseline
     for name, (label, meaning) in demo.DRAFTERS.items():
         assert f"| {label} |" in text and meaning in text
-    assert "6 prompts x 64 tokens, 3 pass(es)" in text and "| self-draft | 16 | 1.90x | 1.80x to 2.00x |" in text
-    # the verdict: fastest, trained vs init and vs lookup, noise, and the plain statement about this CPU
-    assert "Fastest here: the self-draft, 1.90x" in text
+    assert "## Speed in specdraft's own engine (torch, float32 target), against its own plain greedy decoding" in text
+    assert "6 prompts x 64 tokens, 3 pass(es)" in text
+    assert "| self-draft | 16 | 1.90x | 1.80x to 2.00x | 2.00x |" in text
+    # the verdict, from the figures: fastest per engine, whether anything beats plain decoding in every pass,
+    # trained vs init and vs lookup, and the noise
+    assert ("Fastest in specdraft's own engine (torch, float32 target): the self-draft, 1.90x its own plain greedy "
+            "decoding (k = 16, range 1.80x to 2.00x).") in text
+    # lookup's whole range is above 1x too, the trained draft's and the hybrid's are not
+    assert ("In specdraft's own engine (torch, float32 target) the prompt lookup and the self-draft beat its own "
+            "plain greedy decoding in each of the 3 passes.") in text
     assert "from 0.57 to 0.71 accepted tokens of 16 (+0.14); prompt lookup accepts 1.10" in text
     assert "is level with prompt lookup (1.08x): their ranges over 3 passes overlap" in text
-    assert "at best level with prompt lookup" in text and "reference pair" in text
+    # the trained draft does not pay here, and its draft cost leaves room (k = 2: 3 tokens for 1.5 + 2 x 0.4 steps)
+    assert ("it is the trained draft's acceptance that falls short: a drafted token costs it 0.40x a target step, so "
+            "with every token accepted it would reach at most 1.30x, and it keeps 1.00 drafted tokens per step") in text
+    assert "at best level with prompt lookup" not in text  # no fixed paragraph whatever the figures
     # what the larger budgets reach, quoted from BENCHMARKS.md
-    reference = demo.budget_reference()
+    reference = demo.benchmarks_block(demo.BUDGETS_BLOCK)
     assert reference is not None and "| default |" in reference and "| full |" in reference and reference in text
+
+
+def test_without_llama_cpp_the_summary_quotes_its_speed_and_says_how_to_measure_it(tmp_path, monkeypatch):
+    _benchmarks(tmp_path, monkeypatch, {"demo-budgets": "| budget | ... |", "llama-cpp-speed": "| llama rows |"})
+    run, _, _ = _stub_run(tmp_path, monkeypatch)
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path())))
+    text = (run / "demo_summary.md").read_text()
+    assert "## Speed in llama.cpp (the engine CPU users run)" in text
+    assert "Not measured in this run: llama-cpp-python is not installed. `make install-llama`, then `make demo`" in text
+    assert "| llama rows |" in text and "In llama.cpp" not in text  # quoted, and no verdict drawn from it
+
+    # a target without a GGUF file of its own: why, and the command that measures it
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), target="hub:org/model@main"))
+    text = (run / "demo_summary.md").read_text()
+    assert "Not measured in this run: llama-cpp-python is not installed" in text  # the first reason that holds
+    monkeypatch.setattr(demo, "llama_cpp_available", lambda: True)
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), target="hub:org/model@main"))
+    text = (run / "demo_summary.md").read_text()
+    assert "the target hub:org/model@main brings no GGUF file of its own" in text and "--target-gguf FILE" in text
+    monkeypatch.setattr(demo, "llama_cpp_available", lambda: False)
+
+    # BENCHMARKS.md without the block: one line says so
+    _benchmarks(tmp_path, monkeypatch, {"demo-budgets": "| budget | ... |"})
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path())))
+    text = (run / "demo_summary.md").read_text()
+    assert "(No `llama-cpp-speed` block in a BENCHMARKS.md beside this installation" in text
+    assert "| budget | ... |" in text
+
+
+def test_with_llama_cpp_the_summary_gives_its_speed_and_the_verdict_says_nothing_pays_there(tmp_path, monkeypatch):
+    _benchmarks(tmp_path, monkeypatch, {"llama-cpp-speed": "| llama rows |"})
+    run, _, _ = _stub_run(tmp_path, monkeypatch, llama=True,
+                          files={"speculate_llama_cpp/speculate.json": LLAMA_REPORT})
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path())))
+    text = (run / "demo_summary.md").read_text()
+    section = text[text.index("## Speed in llama.cpp"):text.index("## Verdict")]
+    assert "llama-cpp-python 0.3.36, the target's own file `SmolLM2-135M-Instruct-Q4_1.gguf`, 2 threads" in section
+    assert "| plain decoding | - | 1.00x (45.5 tokens/s) |" in section
+    assert ("| trained draft | 4 | 0.50x | 0.49x to 0.51x | 0.48x | 1.00 | 100% | the trained draft as "
+            "exported") in section
+    assert "| self-draft | 4 | 0.68x | 0.59x to 0.77x | 0.45x | 1.00 | 75% |" in section
+    assert "| n-gram lookup | 4 | 0.78x |" in section
+    assert "`SmolLM2.F32.gguf`" in section and "| plain decoding | - | 1.00x (30.0 tokens/s) |" in section
+    assert "| 4-bit self-draft | 4 | 0.58x | 0.58x to 0.59x | 0.61x |" in section
+    assert all(f"- {line}" in section for line in LLAMA_VERDICT)
+    assert "| llama rows |" not in text  # measured here, so not quoted
+    verdict = text[text.index("## Verdict"):]
+    assert "Fastest in llama.cpp: the prompt lookup, 0.99x llama.cpp's plain decoding (k = 4" in verdict
+    assert "In llama.cpp no drafter beats llama.cpp's plain decoding in each of the 3 passes." in verdict
+    assert ("In llama.cpp no drafter can pay on this machine: every drafter's best speed-up, measured and predicted "
+            "from the measured costs, is at most 1x (best measured: the prompt lookup, 0.99x; best predicted: the "
+            "prompt lookup, 0.82x).") in verdict
+    assert "the 4-bit self-draft gives 0.58x llama.cpp's plain decoding of the F32 file: it does not pay" in verdict
+    assert "In llama.cpp the trained draft (0.50x) is slower than prompt lookup (0.99x)." in verdict
+    assert ("In llama.cpp the trained draft cannot pay whatever it accepts: a drafted token costs it 2.85x a target "
+            "step, so with every token accepted it would reach at most 0.37x.") in verdict
+    summary = json.loads((run / "demo_summary.json").read_text())
+    assert summary["speculate_llama_cpp"]["drafters"]["self"]["equal_to_plain_greedy"] == 0.75
+    assert "llama_cpp_reference" not in summary
+
+
+def test_the_verdict_follows_the_figures():
+    def summary(torch_rows, llama_rows=None):
+        return {"acceptance": {}, "speculate": demo._speculate_summary(_speculate_report(torch_rows)),
+                "speculate_llama_cpp": llama_rows and demo._speculate_summary(_speculate_report(llama_rows,
+                                                                                               "llama.cpp"))}
+
+    # the trained draft beats lookup beyond the noise, and pays in both engines
+    paying = {"draft": (4, 1.5, [1.4, 1.6], 1.4, 1.0, 0.1), "lookup": (4, 1.1, [1.0, 1.2], 1.1, 1.0, 0.01)}
+    lines = demo.verdict(summary(paying, paying))
+    assert "In specdraft's own engine (torch, float32 target) the trained draft (1.50x) is faster than prompt " \
+           "lookup (1.10x)." in lines
+    # lookup's median is above 1x, but not every pass
+    assert "In llama.cpp the trained draft beats llama.cpp's plain decoding in each of the 3 passes." in lines
+    assert "In llama.cpp the measured costs predict the most from the trained draft: 1.40x (measured 1.50x)." in lines
+    assert not any("no drafter" in line or "costs it" in line for line in lines)
+    assert "In llama.cpp the trained draft (1.50x) is faster than prompt lookup (1.10x)." in lines
+
+    # nothing pays: the same words in neither engine
+    slow = {"draft": (4, 0.7, [0.6, 0.8], 0.7, 1.0, 1.2), "lookup": (4, 0.97, [0.9, 1.02], 0.95, 1.0, 0.01)}
+    lines = demo.verdict(summary(slow, slow))
+    assert "In specdraft's own engine (torch, float32 target) no drafter beats its own plain greedy decoding " \
+           "in each of the 3 passes." in lines
+    assert any(line.startswith("In llama.cpp no drafter can pay on this machine") for line in lines)
+    assert any("is slower than prompt lookup" in line for line in lines)
+    assert any(line.startswith("In specdraft's own engine (torch, float32 target) the trained draft cannot pay "
+                               "whatever it accepts: a drafted token costs it 1.20x") for line in lines)
+
+    # a median above 1x whose range dips below it does not pay; without llama.cpp, no llama.cpp sentences
+    noisy = {"draft": (4, 1.05, [0.95, 1.1], 1.0, 1.0, 0.3)}
+    lines = demo.verdict(summary(noisy))
+    assert any("no drafter beats" in line for line in lines) and not any("llama.cpp" in line for line in lines)
 
 
 def test_a_resumed_demo_says_what_training_took_over_its_sittings_and_which_stages_it_skipped(tmp_path,
                                                                                             monkeypatch):
-    run, _ = _stub_run(tmp_path, monkeypatch)
+    run, _, _ = _stub_run(tmp_path, monkeypatch)
     meta = {**STUB_FILES["draft/train_meta.json"], "resumed_from_step": 20, "train_tokens": 11200,
             "train_seconds": 171.2, "train_tokens_this_run": 3000, "seconds_this_run": 40.0}
     (run / "draft" / "train_meta.json").write_text(json.dumps(meta))
@@ -104,11 +291,3 @@ def test_a_resumed_demo_says_what_training_took_over_its_sittings_and_which_stag
     text = (run / "demo_summary.md").read_text()
     assert "28 steps over 11200 tokens in 2.9 min over its sittings (resumed at step 20 after an interruption)" in text
     assert "for this invocation, which skipped 2 stages an earlier one finished (prompts, traces;" in text
-
-
-def test_the_verdict_tells_a_real_difference_from_noise():
-    summary = {"acceptance": {}, "speculate": {
-        "prompts": 6, "repeats": 3,
-        "draft": {"best_k": 2, "speedup_median": 1.5, "speedup_range": [1.4, 1.6]},
-        "lookup": {"best_k": 4, "speedup_median": 1.1, "speedup_range": [1.0, 1.2]}}}
-    assert any("(1.50x) is faster than prompt lookup (1.10x)." in line for line in demo.verdict(summary))

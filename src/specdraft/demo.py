@@ -1,11 +1,12 @@
 """`specdraft demo`: the whole pipeline on the embedded default, resumable, ending with a summary that says what
 its numbers mean.
 
-manifest -> prompts -> traces -> train -> pack -> validation -> serve -> eval (untrained init, trained draft
-over HTTP, prompt lookup, and the self-draft: the target's own weights packed) -> speculate -> selfcheck ->
-audit. Each stage records a marker with the config it ran with; a rerun skips stages whose marker matches
-(traces resume inside the stage as well). Without ../shared the data is the prompt corpus shipped in the package
-and its held-out set (``data.corpus``); ``--manifest`` / ``--eval-set`` take a user's own.
+manifest -> prompts -> traces -> validation -> train -> pack -> export -> serve -> eval (untrained init, trained
+draft over HTTP, prompt lookup, and the self-draft: the target's own weights packed) -> speculate (specdraft's own
+engine) -> speculate in llama.cpp (when llama-cpp-python is installed) -> selfcheck -> audit. Each stage records a
+marker with the config it ran with; a rerun skips stages whose marker matches (traces resume inside the stage as
+well). Without ../shared the data is the prompt corpus shipped in the package and its held-out set
+(``data.corpus``); ``--manifest`` / ``--eval-set`` take a user's own.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,8 @@ from specdraft.core.io import atomic_write_json, atomic_write_text, read_json
 from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.data.corpus import heldout_path
 from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM
+from specdraft.drafting.prediction import TargetCosts, ceiling
+from specdraft.model.llamacpp import llama_cpp_available, llama_cpp_version
 from specdraft.model.specs import DEFAULT_TARGET
 from specdraft.model.truncate import save_init
 from specdraft.server.process import ServerProcess
@@ -44,6 +48,7 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+BENCHMARKS = REPO_ROOT / "BENCHMARKS.md"
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,13 @@ class Budget:
     # speculate's draft steps through torch.compile: its compile (minutes with an empty inductor cache) pays
     # over a long sweep, not over small's few hundred draft steps
     compile_drafts: bool = True
+    # specdraft's own engine predicts each speed-up from measured costs (a replay of every drafter: as much
+    # drafting again); llama.cpp always does, its drafts being cheap
+    predict: bool = True
+    # speculation in llama.cpp (when llama-cpp-python is installed): its draft lengths, and whether to add the
+    # table of the target at F32 against its own 4-bit file (a second model load and pass over the prompts)
+    llama_k: list[int] = field(default_factory=lambda: [2, 4, 8])
+    llama_full_precision: bool = True
 
 
 # The draft keeps 24 of the target's 30 layers (drops 16-21) and trains only the last 12 (the first 12 stay
@@ -84,10 +96,12 @@ BUDGETS: dict[str, Budget] = {
     # 102 traced so that at least 96 remain to train on once the held-out fraction is set aside; 1.5 epochs: the
     # held-out acceptance peaks inside the second pass. Speculation: a few prompts, each drafter at k = 16 (the
     # calibrated stop drafts fewer where that pays), three passes so that the summary can tell a difference from
-    # the machine's noise
+    # the machine's noise; no predicted speed-ups; in llama.cpp one middling k and no full-precision table, to
+    # keep within its time
     "small": Budget(trace_prompts=102, trace_tokens=64, draft_init=DRAFT_INIT, epochs=1.5, lr=5e-4,
                     freeze_layers=FROZEN_LAYERS, val_prompts=16, val_tokens=64, spec_prompts=4, spec_tokens=40,
-                    spec_k=[16], spec_repeats=3, qat=True, compile_drafts=False),
+                    spec_k=[16], spec_repeats=3, qat=True, compile_drafts=False, predict=False, llama_k=[4],
+                    llama_full_precision=False),
     "default": Budget(trace_prompts=480, trace_tokens=128, draft_init=DRAFT_INIT, epochs=3, lr=5e-4,
                       freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=128, spec_prompts=8, spec_tokens=96,
                       spec_repeats=2, gptq=True),
@@ -158,7 +172,9 @@ def run_demo(cfg: DemoConfig) -> int:
         # seconds, for file systems that keep coarse modification times
         markers = sorted((m.stat().st_mtime, m.stem) for m in (run_dir / ".stages").glob("*.json"))
         summary["stages_done_earlier"] = [name for mtime, name in markers if mtime < int(started)]
-        summary["budget_reference"] = budget_reference()
+        summary["budget_reference"] = benchmarks_block(BUDGETS_BLOCK)
+        if summary.get("speculate_llama_cpp") is None:
+            summary["llama_cpp_reference"] = benchmarks_block(LLAMA_CPP_BLOCK)
         summary.update(run_metadata())
         atomic_write_json(run_dir / "demo_summary.json", summary)
         table = summary_markdown(summary)
@@ -202,7 +218,7 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
         return {"init": init_spec}
     _stage(run_dir, "init", {"init": init_spec}, write_init)
 
-    _stage(run_dir, "pack", pack_cfg.to_json_dict(), lambda: {"bytes": _pack_bytes(run_pack(pack_cfg))})
+    _stage(run_dir, "pack", pack_cfg.to_json_dict(), lambda: {"bytes": run_pack(pack_cfg).bytes})
 
     # The trained draft for llama.cpp (`llama-server -md`); the audit follows its record back to the pack.
     export_cfg = ExportConfig(model_dir=str(run_dir / "model"), format="gguf",
@@ -214,7 +230,7 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
     # The reference draft no training makes: the target's own weights, packed (SELF_DRAFT_EMBEDDING).
     self_cfg = PackConfig(checkpoint=cfg.target, out=str(run_dir / "model_self"), overwrite=True,
                           embedding_encoding=SELF_DRAFT_EMBEDDING)
-    _stage(run_dir, "pack_self", self_cfg.to_json_dict(), lambda: {"bytes": _pack_bytes(run_pack(self_cfg))})
+    _stage(run_dir, "pack_self", self_cfg.to_json_dict(), lambda: {"bytes": run_pack(self_cfg).bytes})
 
     validation = run_dir / "validation" / "validation.jsonl"
     reports: dict[str, dict] = {}
@@ -246,17 +262,35 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
     reports["trained"] = read_json(run_dir / "eval" / "trained" / "report.json")
     reports["trained_lookup"] = read_json(run_dir / "eval" / "trained_lookup" / "report.json")
 
+    # CPU time is steady on a shared machine when one thread runs the models
+    clock = "cpu" if cfg.threads == 1 else "wall"
     spec_cfg = SpeculateConfig(target=cfg.target, draft=str(run_dir / "model"), prompts=Path(eval_set),
                                out=run_dir / "speculate", max_new_tokens=budget.spec_tokens, k=budget.spec_k,
                                num_prompts=budget.spec_prompts, threads=cfg.threads, repeats=budget.spec_repeats,
                                also_draft=[f"self={run_dir / 'model_self'}"],
-                               draft_compile="on" if budget.compile_drafts else "off",
-                               # CPU time is steady on a shared machine when one thread runs the models
-                               clock="cpu" if cfg.threads == 1 else "wall")
+                               draft_compile="on" if budget.compile_drafts else "off", clock=clock,
+                               predict=budget.predict)
     _stage(run_dir, "speculate", {**spec_cfg.to_json_dict(), "train": train_cfg.to_json_dict(),
                                   "pack_self": self_cfg.to_json_dict()},
            lambda: run_speculate(spec_cfg))
     speculate = read_json(run_dir / "speculate" / "speculate.json")
+
+    # The same prompts in llama.cpp, the engine CPU users decode with: the exported draft against the target's
+    # own GGUF file, where the extra is installed and the target brings that file.
+    llama_skipped = _llama_cpp_unavailable(cfg)
+    speculate_llama = None
+    if llama_skipped is None:
+        llama_cfg = SpeculateConfig(engine="llama.cpp", target=cfg.target, draft=str(run_dir / "export" / "draft.gguf"),
+                                    prompts=Path(eval_set), out=run_dir / "speculate_llama_cpp",
+                                    max_new_tokens=budget.spec_tokens, k=budget.llama_k,
+                                    num_prompts=budget.spec_prompts, threads=cfg.threads,
+                                    repeats=budget.spec_repeats, full_precision=budget.llama_full_precision,
+                                    clock=clock)
+        _stage(run_dir, "speculate_llama_cpp", {**llama_cfg.to_json_dict(), "export": export_cfg.to_json_dict(),
+                                                "pack": pack_cfg.to_json_dict(), "train": train_cfg.to_json_dict(),
+                                                "llama_cpp_python": llama_cpp_version()},
+               lambda: run_speculate(llama_cfg))
+        speculate_llama = _speculate_summary(read_json(run_dir / "speculate_llama_cpp" / "speculate.json"))
 
     sc_cfg = SelfcheckConfig(model_dir=run_dir / "model", out=run_dir / "selfcheck", threads=cfg.threads)
     selfcheck_exit = run_selfcheck(sc_cfg)  # always rerun: it checks the files as they are now
@@ -279,9 +313,10 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
         "acceptance": {name: _acceptance(r) for name, r in reports.items()},
         "draft_latency": reports["trained"].get("latency"),
         "speculate": _speculate_summary(speculate),
-        "pack": {"bytes": _arch_bytes(arch), "parameters": arch.get("parameter_count") or arch.get("parameters")},
-        "pack_self": {"bytes": _arch_bytes(arch_self),
-                      "parameters": arch_self.get("parameter_count") or arch_self.get("parameters")},
+        "speculate_llama_cpp": speculate_llama,
+        "llama_cpp_not_measured": llama_skipped,
+        "pack": {"bytes": arch["bytes"], "parameters": arch["parameters"]},
+        "pack_self": {"bytes": arch_self["bytes"], "parameters": arch_self["parameters"]},
         "export": export,
         "selfcheck_exit": selfcheck_exit,
         "audit_exit": audit_exit,
@@ -298,14 +333,15 @@ def _train_result(meta: dict) -> dict:
     return {"best": meta.get("best"), "steps": meta.get("steps")}
 
 
-def _pack_bytes(result) -> Any:
-    return getattr(result, "nbytes", None) or getattr(result, "bytes", None)
-
-
-def _arch_bytes(arch: dict) -> Any:
-    for key in ("bytes", "byte_count", "weight_bytes", "file_bytes"):
-        if key in arch:
-            return arch[key]
+def _llama_cpp_unavailable(cfg: DemoConfig) -> dict[str, str] | None:
+    """Why the llama.cpp speculation cannot run here and how to run it, or None when it can."""
+    if not llama_cpp_available():
+        return {"why": "llama-cpp-python is not installed",
+                "how": "`make install-llama`, then `make demo` again (it skips the finished stages), measures it here"}
+    if not cfg.target.startswith("embedded:"):
+        return {"why": f"the target {cfg.target} brings no GGUF file of its own (only an embedded target does)",
+                "how": "`specdraft speculate --engine llama.cpp --target-gguf FILE --draft RUN_DIR/export/draft.gguf` "
+                       "measures it with the target's GGUF file"}
     return None
 
 
@@ -345,17 +381,46 @@ def _acceptance(report: dict) -> dict:
 
 
 def _speculate_summary(spec: dict) -> dict:
-    out: dict[str, Any] = {"baseline_tokens_per_s": spec.get("baseline", {}).get("tokens_per_s"),
-                           "prompts": spec.get("prompts"), "repeats": spec.get("repeats", 1),
-                           "max_new_tokens": (spec.get("config") or {}).get("max_new_tokens"),
-                           "clock": spec.get("clock"), "lossless": spec.get("lossless")}
-    for name, drafter in spec.get("drafters", {}).items():
-        best = drafter.get("per_k", {}).get(str(drafter.get("best_k")), {})
-        out[name] = {"best_k": drafter.get("best_k"), "tokens_per_s": drafter.get("best_tokens_per_s"),
-                     "speedup": drafter.get("best_speedup"), "accepted_per_step": best.get("accepted_per_step"),
-                     "speedup_median": best.get("speedup_median", drafter.get("best_speedup")),
-                     "speedup_range": best.get("speedup_range")}
+    """One engine's speculation report as the summary reads it: the engine and its baseline, each drafter's best
+    k with its measured and predicted speed-up, the prediction's verdict, and a full-precision table alike."""
+    config, prediction = spec.get("config") or {}, spec.get("prediction") or {}
+    predicted = prediction.get("drafters") or {}
+    passes = (prediction.get("costs") or {}).get("pass_seconds")
+    costs = TargetCosts({int(n): s for n, s in passes.items()}) if passes else None
+    out: dict[str, Any] = {
+        "engine": spec.get("engine", "torch"), "exact_engine": spec.get("exact_engine", True),
+        "target_dtype": config.get("dtype"), "target_file": (spec.get("target") or {}).get("gguf"),
+        "llama_cpp_python": spec.get("llama_cpp_python"), "threads": spec.get("threads"),
+        "baseline_tokens_per_s": spec.get("baseline", {}).get("tokens_per_s"), "prompts": spec.get("prompts"),
+        "repeats": spec.get("repeats", 1), "max_new_tokens": config.get("max_new_tokens"),
+        "clock": spec.get("clock"), "lossless": spec.get("lossless"),
+        "drafters": {name: _drafter_summary(drafter, predicted.get(name) or {}, costs)
+                     for name, drafter in spec.get("drafters", {}).items()},
+        "prediction_verdict": prediction.get("verdict") or []}
+    if spec.get("full_precision"):
+        out["full_precision"] = _speculate_summary(spec["full_precision"])
     return out
+
+
+def _drafter_summary(drafter: dict, predicted: dict[str, dict], costs: TargetCosts | None) -> dict:
+    """A drafter at its best k (the fastest pooled over passes); ``predicted``: the prediction's rows by k, with
+    the target's measured pass ``costs`` the most it could reach were every drafted token accepted (at its draft
+    cost per token over k, as the prediction's verdict reckons it)."""
+    best_k = drafter.get("best_k")
+    best = drafter.get("per_k", {}).get(str(best_k), {})
+    predictions = [row["predicted_speedup"] for row in predicted.values() if row.get("predicted_speedup") is not None]
+    draft_costs = [row["draft_cost_per_token_vs_target_step"] for row in predicted.values()
+                   if row.get("draft_cost_per_token_vs_target_step")]
+    draft_cost = statistics.median(draft_costs) if draft_costs else None
+    ceilings = [ceiling(costs, int(k), draft_cost) for k in predicted] if costs and draft_cost else []
+    return {"best_k": best_k, "tokens_per_s": drafter.get("best_tokens_per_s"), "speedup": drafter.get("best_speedup"),
+            "speedup_median": best.get("speedup_median", drafter.get("best_speedup")),
+            "speedup_range": best.get("speedup_range"), "accepted_per_step": best.get("accepted_per_step"),
+            "predicted_speedup": best.get("predicted_speedup"),
+            "best_predicted_speedup": max(predictions) if predictions else None,
+            "all_accepted_speedup": max(ceilings) if ceilings else None,
+            "draft_cost_per_token": draft_cost,
+            "equal_to_plain_greedy": best.get("equal_to_plain_greedy")}
 
 
 # -------------------------------------------------------------------------------------------- summary
@@ -370,47 +435,207 @@ DRAFTERS = {
     "init": ("untrained init", "the draft before training (the target's layers it keeps, unchanged)"),
 }
 SPECULATE_NAMES = {"draft": "trained", "draft+lookup": "trained_lookup", "lookup": "lookup", "self": "self"}
-BUDGET_BLOCK = re.compile(r"<!-- demo-budgets -->\n(.*?)\n<!-- /demo-budgets -->", re.S)
+# What each drafter is in llama.cpp (the names `speculate --engine llama.cpp` gives them)
+LLAMA_CPP_DRAFTERS = {
+    "draft": ("trained draft", "the trained draft as exported for llama.cpp (`RUN_DIR/export/draft.gguf`)"),
+    "draft+lookup": ("trained draft behind lookup", "prompt lookup where it finds the context's last tokens, the "
+                                                    "exported draft elsewhere"),
+    "self": ("self-draft", "the target's own GGUF file (its 4-bit weights) as its draft"),
+    "ngram": ("n-gram lookup", "llama-cpp-python's own prompt lookup (LlamaPromptLookupDecoding)"),
+    "lookup": ("prompt lookup", "specdraft's prompt lookup, as in the table above"),
+    "self-4bit": ("4-bit self-draft", "the target's own 4-bit file drafting for the target at F32"),
+}
+# BENCHMARKS.md's blocks the summary quotes: what each budget reaches, and the speed in llama.cpp
+BUDGETS_BLOCK = "demo-budgets"
+LLAMA_CPP_BLOCK = "llama-cpp-speed"
 
 
-def budget_reference(benchmarks: Path = REPO_ROOT / "BENCHMARKS.md") -> str | None:
-    """BENCHMARKS.md's table of what each budget reaches (the one place those figures live), when it is here."""
+def benchmarks_block(name: str) -> str | None:
+    """BENCHMARKS.md's text between ``<!-- name -->`` and ``<!-- /name -->`` (the one place those figures live),
+    when the file and the block are here."""
     try:
-        m = BUDGET_BLOCK.search(benchmarks.read_text(encoding="utf-8"))
+        text = BENCHMARKS.read_text(encoding="utf-8")
     except OSError:
         return None
+    m = re.search(rf"<!-- {re.escape(name)} -->\n(.*?)\n<!-- /{re.escape(name)} -->", text, re.S)
     return m.group(1).strip() if m else None
 
 
+def _missing_block(name: str) -> str:
+    return f"(No `{name}` block in a BENCHMARKS.md beside this installation: see the repository's BENCHMARKS.md.)"
+
+
+def _label(spec: dict, name: str) -> str:
+    if spec["engine"] == "llama.cpp":
+        return LLAMA_CPP_DRAFTERS.get(name, (name,))[0]
+    return DRAFTERS.get(SPECULATE_NAMES.get(name, ""), (name,))[0]
+
+
+def _engine_name(spec: dict) -> str:
+    if spec["engine"] == "llama.cpp":
+        return "llama.cpp"
+    return f"specdraft's own engine ({spec['engine']}, {spec.get('target_dtype')} target)"
+
+
+def _baseline_name(spec: dict) -> str:
+    return "llama.cpp's plain decoding" if spec["engine"] == "llama.cpp" else "its own plain greedy decoding"
+
+
+def _pays(row: dict, repeats: int) -> bool:
+    """Faster than the engine's plain decoding: the median, and over several passes the whole range, above 1x."""
+    if not (row.get("speedup_median") or 0) > 1:
+        return False
+    return repeats <= 1 or not row.get("speedup_range") or row["speedup_range"][0] > 1
+
+
+def _passes(spec: dict) -> str:
+    """Over how many passes a drafter was seen to beat plain decoding."""
+    repeats = spec.get("repeats", 1)
+    return f" in each of the {repeats} passes" if repeats > 1 else " in its one pass (the machine's noise not measured)"
+
+
+def _speed_findings(spec: dict) -> list[str]:
+    """The fastest drafter in one engine, and which drafters (if any) beat its plain decoding."""
+    rows, engine, baseline = spec["drafters"], _engine_name(spec), _baseline_name(spec)
+    name, best = max(rows.items(), key=lambda kv: kv[1]["speedup_median"] or 0)
+    rng = best.get("speedup_range")
+    lines = [f"Fastest in {engine}: the {_label(spec, name)}, {best['speedup_median']:.2f}x {baseline} (k = "
+             f"{best['best_k']}" + (f", range {rng[0]:.2f}x to {rng[1]:.2f}x" if rng else "") + ")."]
+    paying = [f"the {_label(spec, n)}" for n, r in rows.items() if _pays(r, spec.get("repeats", 1))]
+    if paying:
+        named = paying[0] if len(paying) == 1 else ", ".join(paying[:-1]) + " and " + paying[-1]
+        lines.append(f"In {engine} {named} beat{'s' if len(paying) == 1 else ''} {baseline}{_passes(spec)}.")
+    else:
+        lines.append(f"In {engine} no drafter beats {baseline}{_passes(spec)}.")
+    return lines
+
+
+def _trained_against_lookup(spec: dict) -> list[str]:
+    """The trained draft against prompt lookup in speed, and whether the difference is bigger than the spread
+    over passes."""
+    rows = spec["drafters"]
+    if "draft" not in rows or "lookup" not in rows:
+        return []
+    t, lk = rows["draft"], rows["lookup"]
+    (t_low, t_high), (lk_low, lk_high) = t["speedup_range"] or (None, None), lk["speedup_range"] or (None, None)
+    overlap = t_low is not None and lk_low is not None and t_low <= lk_high and lk_low <= t_high
+    spread = f" over {spec['repeats']} passes" if spec.get("repeats", 1) > 1 else ""
+    compare = ("level with" if overlap else "faster than" if t["speedup_median"] > lk["speedup_median"]
+               else "slower than")
+    return [f"In {_engine_name(spec)} the trained draft ({t['speedup_median']:.2f}x) is {compare} prompt lookup "
+            f"({lk['speedup_median']:.2f}x)" + (f": their ranges{spread} overlap, so the difference is within the "
+                                                f"noise of {spec.get('prompts')} prompts" if overlap else "") + "."]
+
+
+def _llama_cpp_findings(spec: dict) -> list[str]:
+    """What the llama.cpp run says beyond its speed-ups: whether any drafter can pay there, measured and
+    predicted from its costs, and the target at full precision."""
+    rows, lines = spec["drafters"], []
+    measured = {n: r["speedup_median"] or 0 for n, r in rows.items()}
+    predicted = {n: r["best_predicted_speedup"] for n, r in rows.items() if r.get("best_predicted_speedup")}
+    if predicted:
+        top_measured, top_predicted = max(measured, key=measured.get), max(predicted, key=predicted.get)
+        if max(measured.values()) <= 1 and max(predicted.values()) <= 1:
+            lines.append(f"In llama.cpp no drafter can pay on this machine: every drafter's best speed-up, measured "
+                         f"and predicted from the measured costs, is at most 1x (best measured: the "
+                         f"{_label(spec, top_measured)}, {measured[top_measured]:.2f}x; best predicted: the "
+                         f"{_label(spec, top_predicted)}, {predicted[top_predicted]:.2f}x).")
+        else:
+            lines.append(f"In llama.cpp the measured costs predict the most from the {_label(spec, top_predicted)}: "
+                         f"{predicted[top_predicted]:.2f}x (measured {measured[top_predicted]:.2f}x).")
+    full = spec.get("full_precision")
+    for name, row in (full or {}).get("drafters", {}).items():
+        pays = _pays(row, full.get("repeats", 1))
+        lines.append(f"Against the target at F32 in llama.cpp the {_label(full, name)} gives "
+                     f"{row['speedup_median']:.2f}x llama.cpp's plain decoding of the F32 file: "
+                     + (f"it pays{_passes(full)}." if pays else "it does not pay."))
+    return lines
+
+
+def _trained_draft_costs(spec: dict) -> list[str]:
+    """Where the trained draft does not pay in an engine: whether its draft cost leaves it any room to (the most
+    it could reach with every drafted token accepted), or its acceptance falls short."""
+    row = spec["drafters"].get("draft")
+    if not row or _pays(row, spec.get("repeats", 1)) or row.get("all_accepted_speedup") is None:
+        return []
+    cost = (f"a drafted token costs it {row['draft_cost_per_token']:.2f}x a target step, so with every token "
+            f"accepted it would reach at most {row['all_accepted_speedup']:.2f}x")
+    if row["all_accepted_speedup"] <= 1:
+        return [f"In {_engine_name(spec)} the trained draft cannot pay whatever it accepts: {cost}. A draft pays "
+                "where its tokens cost a small share of a target step: a draft much smaller than its target, the "
+                "premise of the GPU reference pair (README.md)."]
+    return [f"In {_engine_name(spec)} it is the trained draft's acceptance that falls short: {cost}, and it keeps "
+            f"{_fmt(row['accepted_per_step'], 2)} drafted tokens per step."]
+
+
 def verdict(summary: dict) -> list[str]:
-    """The findings in plain words: the fastest drafter, the trained draft against its init and against lookup,
-    and whether a difference in speed is bigger than the spread over repeated passes."""
-    acc, spec = summary["acceptance"], summary["speculate"]
-    rows = {SPECULATE_NAMES[n]: r for n, r in spec.items() if isinstance(r, dict) and n in SPECULATE_NAMES}
-    lines = []
-    if rows:
-        name, best = max(rows.items(), key=lambda kv: kv[1]["speedup_median"] or 0)
-        lines.append(f"Fastest here: the {DRAFTERS[name][0]}, {best['speedup_median']:.2f}x plain greedy (k = "
-                     f"{best['best_k']}).")
+    """The findings in plain words, computed from what was measured: the fastest drafter in each engine and
+    whether any beats that engine's plain decoding, the trained draft against its init and against lookup (and
+    whether a difference in speed is bigger than the spread over passes), and what llama.cpp's measured costs
+    say can pay there."""
+    acc, lines = summary["acceptance"], []
     trained, init, lookup = (acc.get(n, {}).get("mean_accepted_pooled") for n in ("trained", "init", "lookup"))
     if trained is not None and init is not None:
         lines.append(f"Training moved the draft from {init:.2f} to {trained:.2f} accepted tokens of 16 "
                      f"({trained - init:+.2f}); prompt lookup accepts {lookup:.2f}." if lookup is not None else
                      f"Training moved the draft from {init:.2f} to {trained:.2f} accepted tokens of 16.")
-    if "trained" in rows and "lookup" in rows:
-        t, lk = rows["trained"], rows["lookup"]
-        (t_low, t_high), (lk_low, lk_high) = t["speedup_range"] or (None, None), lk["speedup_range"] or (None, None)
-        overlap = t_low is not None and lk_low is not None and t_low <= lk_high and lk_low <= t_high
-        spread = f" over {spec['repeats']} passes" if spec.get("repeats", 1) > 1 else ""
-        compare = ("level with" if overlap else "faster than" if t["speedup_median"] > lk["speedup_median"]
-                   else "slower than")
-        lines.append(f"In speed the trained draft ({t['speedup_median']:.2f}x) is {compare} prompt lookup "
-                     f"({lk['speedup_median']:.2f}x)" + (f": their ranges{spread} overlap, so the difference is within "
-                     f"the noise of {spec.get('prompts')} prompts" if overlap else "") + ".")
-    lines.append("On this CPU a trained draft of the 135M stand-in is at best level with prompt lookup: the target is "
-                 "compute-bound on a few cores, so each draft step costs a large share of a target step (not a bug). "
-                 "The self-draft is the CPU reference. A trained draft pays where the target is much larger than its "
-                 "draft -- the Qwen3-8B / Qwen3-1.7B reference pair, on a GPU.")
+    for spec in (summary.get("speculate"), summary.get("speculate_llama_cpp")):
+        if spec and spec.get("drafters"):
+            lines += _speed_findings(spec) + _trained_against_lookup(spec) + _trained_draft_costs(spec)
+            if spec["engine"] == "llama.cpp":
+                lines += _llama_cpp_findings(spec)
+    return lines
+
+
+def _speed_table(spec: dict) -> list[str]:
+    """One engine's speed-ups: plain decoding first, then each drafter at its best k."""
+    exact = spec.get("exact_engine", True)
+    head = "| drafter | best k | speed-up (median) | range over passes | predicted | accepted per step |"
+    rule = "|---|---|---|---|---|---|"
+    if not exact:
+        head, rule = head + " = plain greedy | what it is |", rule + "---|---|"
+    lines = [head, rule, f"| {'plain decoding' if spec['engine'] == 'llama.cpp' else 'plain greedy'} | - | 1.00x "
+                         f"({_fmt(spec.get('baseline_tokens_per_s'), 1)} tokens/s) | - | - | - |"
+                         + ("" if exact else " - | - |")]
+    for name, row in spec["drafters"].items():
+        rng, predicted, equal = row.get("speedup_range"), row.get("predicted_speedup"), row.get("equal_to_plain_greedy")
+        line = (f"| {_label(spec, name)} | {row['best_k']} | {_fmt(row['speedup_median'], 2)}x | "
+                f"{f'{rng[0]:.2f}x to {rng[1]:.2f}x' if rng else '-'} | "
+                f"{f'{predicted:.2f}x' if predicted is not None else '-'} | {_fmt(row['accepted_per_step'], 2)} |")
+        if not exact:
+            line += (f" {f'{equal:.0%}' if equal is not None else '-'} | "
+                     f"{LLAMA_CPP_DRAFTERS.get(name, (name, '-'))[1]} |")
+        lines.append(line)
+    return lines
+
+
+def _llama_cpp_section(summary: dict) -> list[str]:
+    """Speed in llama.cpp: measured in this run, or quoted from BENCHMARKS.md with how to measure it here."""
+    lines = ["## Speed in llama.cpp (the engine CPU users run)", ""]
+    spec = summary.get("speculate_llama_cpp")
+    if not spec:
+        skipped = summary.get("llama_cpp_not_measured") or {}
+        return lines + [f"Not measured in this run: {skipped.get('why')}. {skipped.get('how')}. What it gave on a "
+                        "named machine (BENCHMARKS.md):", "",
+                        summary.get("llama_cpp_reference") or _missing_block(LLAMA_CPP_BLOCK)]
+    target = Path(spec["target_file"]).name if spec.get("target_file") else "the target's GGUF file"
+    threads = spec.get("threads")
+    lines += [f"llama-cpp-python {spec.get('llama_cpp_python')}, the target's own file `{target}`, "
+              f"{threads} thread{'' if threads == 1 else 's'}; {spec.get('prompts')} prompts x "
+              f"{spec.get('max_new_tokens')} tokens, {spec.get('repeats', 1)} pass(es), {spec.get('clock')} clock. "
+              "Speed-up = tokens/s over llama.cpp's plain decoding of the same file in the same run; predicted = "
+              "from the target's measured pass costs and a replay of each drafter "
+              "(`speculate_llama_cpp/speculate.md`); = plain greedy = the share of outputs equal to llama.cpp's "
+              "plain decoding (its multi-token passes round differently from its one-token passes, by design).",
+              ""] + _speed_table(spec)
+    full = spec.get("full_precision")
+    if full:
+        f32 = Path(full["target_file"]).name if full.get("target_file") else "F32"
+        lines += ["", f"The target at full precision (`{f32}`, llama.cpp's quantize of its own file) against its "
+                      "own 4-bit file as its draft, same prompts:", ""] + _speed_table(full)
+    if spec.get("prediction_verdict"):
+        lines += ["", "What the measured costs predict (`drafting.prediction`):", ""]
+        lines += [f"- {line}" for line in spec["prediction_verdict"]]
     return lines
 
 
@@ -441,25 +666,19 @@ def summary_markdown(summary: dict) -> str:
     latency = summary.get("draft_latency") or {}
     lines += ["", "A 16-token draft over HTTP (eval clients, 8 concurrent): "
                   f"p50 {_fmt(latency.get('p50_ms'), 0)} ms, p99 {_fmt(latency.get('p99_ms'), 0)} ms.", "",
-              "## Speculative decoding: speed against plain greedy", "",
+              f"## Speed in {_engine_name(spec)}, against its own plain greedy decoding", "",
               f"{spec.get('prompts')} prompts x {spec.get('max_new_tokens')} tokens, {spec.get('repeats', 1)} "
               f"pass(es), {spec.get('clock')} clock; every output equal to plain greedy: "
-              f"{'yes' if spec.get('lossless') else 'NO'}. Speed-up = tokens/s over plain greedy in the same "
-              "loop and run; the median and range are over the passes.", "",
-              "| drafter | best k | speed-up (median) | range over passes | accepted per step |",
-              "|---|---|---|---|---|",
-              f"| plain greedy | - | 1.00x ({_fmt(spec.get('baseline_tokens_per_s'), 1)} tokens/s) | - | - |"]
-    for name, row in spec.items():
-        if isinstance(row, dict):
-            label = DRAFTERS.get(SPECULATE_NAMES.get(name, ""), (name,))[0]
-            rng = row.get("speedup_range")
-            lines.append(f"| {label} | {row['best_k']} | {_fmt(row['speedup_median'], 2)}x | "
-                         f"{f'{rng[0]:.2f}x to {rng[1]:.2f}x' if rng else '-'} | {_fmt(row['accepted_per_step'], 2)} |")
-    lines += ["", "## Verdict", ""] + verdict(summary)
+              f"{'yes' if spec.get('lossless') else 'NO'}. Speed-up = tokens/s over specdraft's plain greedy "
+              "decoding of the same target in the same loop and run; the median and range are over the passes; "
+              "predicted = from the target's measured pass costs and a replay of each drafter "
+              "(`speculate/speculate.md`).", ""] + _speed_table(spec)
+    lines += [""] + _llama_cpp_section(summary)
+    lines += ["", "## Verdict", ""] + [f"- {line}" for line in verdict(summary)]
     reference = summary.get("budget_reference")
     lines += ["", "## What the larger budgets reach", "",
               "`make demo BUDGET=default` or `BUDGET=full` (figures from BENCHMARKS.md, with their machine):", "",
-              reference or "(BENCHMARKS.md is not beside this installation: see the repository's BENCHMARKS.md.)"]
+              reference or _missing_block(BUDGETS_BLOCK)]
     self_pack = summary.get("pack_self") or {}
     lines += ["", "## Files and checks", "",
               f"Pack: {summary['pack']['bytes']} bytes, {summary['pack']['parameters']} parameters (self-draft: "

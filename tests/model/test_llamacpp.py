@@ -11,7 +11,13 @@ from specdraft.drafting.base import NoDraft
 from specdraft.drafting.llamacpp import LlamaCppDrafter, LlamaCppNgramDrafter
 from specdraft.drafting.lookup import LookupDrafter
 from specdraft.drafting.speculative import speculative_generate
-from specdraft.model.llamacpp import LlamaCppModel, LlamaCppTarget, requantize, vocab_compatible
+from specdraft.model.llamacpp import (
+    LlamaCppModel,
+    LlamaCppTarget,
+    batched_against_sequential,
+    requantize,
+    vocab_compatible,
+)
 from specdraft.model.targets import TorchTarget
 from specdraft.stages.export import ExportConfig, run_export
 from specdraft.stages.pack import PackConfig, run_pack
@@ -136,3 +142,18 @@ def test_requantize_and_vocabulary_check(ggufs, tmp_path):
     assert check["compatible"] and check["token_texts_differing"] == 0
     with pytest.raises(ValueError, match="file type"):
         requantize(q4, tmp_path / "x.gguf", "Q3_K")
+
+
+def test_batched_against_sequential_on_a_float_file(ggufs):
+    _, f32, _ = ggufs
+    target = LlamaCppTarget(f32, n_ctx=128, threads=1)
+    try:
+        tokens = target.greedy(PROMPT, 16).tokens
+        out = batched_against_sequential(target.model, PROMPT, tokens)
+        with pytest.raises(ValueError, match="at least two tokens"):
+            batched_against_sequential(target.model, PROMPT[:1], tokens)
+    finally:
+        target.close()
+    # F32 weights: the two passes sum in other orders, nothing more
+    assert out["positions"] == len(tokens) and out["argmax_differs"] == 0
+    assert 0 <= out["max_logit_difference"] < 1e-3 * out["logit_scale"]

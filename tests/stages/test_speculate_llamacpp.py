@@ -49,10 +49,15 @@ def test_every_llama_cpp_row_from_one_command(files, tmp_path, capsys):
     assert all(row["acceptance_per_position"][0] == 1.0 for row in self_rows.values())
     full = report["full_precision"]
     assert set(full["drafters"]) == {"self-4bit"} and full["baseline"]["tokens_per_s"] > 0
+    assert full["drafter_sources"]["self-4bit"]["gguf"] == str(target)
     f32 = out / "target.F32.gguf"
     assert full["target"]["gguf"] == str(f32) and read_json(f32.with_name(f32.name + ".json"))["file_type"] == "F32"
     text = (out / "speculate.md").read_text()
+    consistency = report["engine_consistency"]
+    assert consistency["positions"] > 0 and 0 <= consistency["argmax_differs"] <= consistency["positions"]
+    assert "engine_consistency" in full
     assert "llama.cpp's own plain decoding" in text and "## Full-precision target" in text
+    assert "one verify pass over them picks another argmax" in text
     assert "Predicted from measured costs" in text and "Outputs equal to the engine's plain greedy" in text
     assert "self: best k=" in capsys.readouterr().out
 

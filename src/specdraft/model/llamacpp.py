@@ -64,13 +64,15 @@ class LlamaCppModel:
     """A GGUF model in llama.cpp holding one sequence. ``tokens`` mirrors what its KV cache holds."""
 
     def __init__(self, path: str | os.PathLike, n_ctx: int = 4096, threads: int | None = None,
-                 n_batch: int = 512):
+                 n_batch: int = 512, flash_attn: bool = True):
         lib = llama_cpp_module()
         self.lib, self.path = lib, check_gguf_file(path)
         threads = threads or os.cpu_count() or 1
         try:
+            # flash attention on, as llama.cpp's own tools choose it on a CPU ("auto"); llama-cpp-python's
+            # default is off, and slower
             self.llm = lib.Llama(str(self.path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
-                                 n_threads_batch=threads, verbose=False)
+                                 n_threads_batch=threads, flash_attn=flash_attn, verbose=False)
         except (ValueError, RuntimeError) as e:  # llama.cpp refused the file (truncated, unknown architecture)
             raise ValueError(f"{self.path}: llama.cpp could not load it ({e})") from e
         self.threads, self.n_ctx, self.n_batch = threads, n_ctx, n_batch
@@ -152,6 +154,28 @@ class LlamaCppTarget(TargetModel):
 
     def close(self) -> None:
         self.model.close()
+
+
+def batched_against_sequential(model: LlamaCppModel, prompt: Sequence[int], tokens: Sequence[int]) -> dict[str, Any]:
+    """How far llama.cpp's pass over several tokens strays from its one-token passes on the same tokens: the
+    logits after each of ``tokens`` computed one token at a time (plain decoding) and in one pass (a verify
+    pass), teacher-forced on ``tokens``. Where the argmax differs, speculative decoding's output parts from plain
+    greedy; how often that happens is the engine's, not the drafter's."""
+    prompt, tokens = [int(t) for t in prompt], [int(t) for t in tokens]
+    sequential = [model.decode(prompt, 0)[-1]]
+    for i, tok in enumerate(tokens[:-1]):
+        sequential.append(model.decode([tok], len(prompt) + i)[-1])
+    if len(prompt) < 2:
+        raise ValueError("the prompt needs at least two tokens (the last one starts the pass)")
+    model.decode(prompt[:-1], 0)
+    batched = model.decode(prompt[-1:] + tokens[:-1], len(prompt) - 1, n_logits=len(tokens))
+    sequential_arr = np.stack(sequential)
+    top2 = np.sort(sequential_arr, axis=1)[:, -2:]
+    differs = sequential_arr.argmax(1) != batched.argmax(1)
+    return {"positions": len(tokens), "argmax_differs": int(differs.sum()),
+            "max_logit_difference": float(np.abs(sequential_arr - batched).max()),
+            "logit_scale": float(np.abs(sequential_arr).max()),
+            "top2_gap_where_differs": [round(float(g), 4) for g in (top2[:, 1] - top2[:, 0])[differs]]}
 
 
 def requantize(source: str | os.PathLike, out: str | os.PathLike, file_type: str = "F32",

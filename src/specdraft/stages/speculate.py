@@ -35,12 +35,21 @@ from specdraft.drafting.batched import ModelDrafter
 from specdraft.drafting.cached import CachedDraftModel
 from specdraft.drafting.calibration import DEFAULT_DRAFT_CONFIDENCE
 from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM, HybridDrafter
+from specdraft.drafting.llamacpp import LlamaCppDrafter, LlamaCppNgramDrafter
 from specdraft.drafting.lookup import LookupDrafter
 from specdraft.drafting.remote import HTTPDrafter
 from specdraft.drafting.timing import Prompt, run_speculation_bench
 from specdraft.model.chat import encode_prompts
 from specdraft.model.device import DEVICE_HELP, resolve_device
 from specdraft.model.lean import CompiledSteps
+from specdraft.model.llamacpp import (
+    LlamaCppTarget,
+    batched_against_sequential,
+    check_gguf_file,
+    llama_cpp_version,
+    requantize,
+    vocab_compatible,
+)
 from specdraft.model.loader import load_draft
 from specdraft.model.specs import (
     DEFAULT_TARGET,
@@ -250,9 +259,6 @@ def _llama_cpp_draft(name: str, path: str | os.PathLike, target_gguf: Path, n_ct
                      what: str) -> tuple[str, Drafter, dict]:
     """A GGUF draft in llama.cpp, refused (with llama.cpp's own reasons) when llama.cpp would not speculate
     with it for this target."""
-    from specdraft.drafting.llamacpp import LlamaCppDrafter
-    from specdraft.model.llamacpp import check_gguf_file, vocab_compatible
-
     try:
         path = check_gguf_file(path)
     except ValueError as e:
@@ -269,8 +275,6 @@ def build_llama_cpp_drafters(config: SpeculateConfig, target_gguf: Path, n_ctx: 
                              threads: int) -> list[tuple[str, Drafter, dict]]:
     """(name, drafter, source) for --engine llama.cpp: the --draft GGUF (and behind lookup), the target's own
     file as its self-draft, every --also-draft GGUF, llama-cpp-python's n-gram drafter and prompt lookup."""
-    from specdraft.drafting.llamacpp import LlamaCppNgramDrafter
-
     out: list[tuple[str, Drafter, dict]] = []
     spec = config.draft
     if spec not in ("lookup", "none"):
@@ -298,8 +302,6 @@ def build_llama_cpp_drafters(config: SpeculateConfig, target_gguf: Path, n_ctx: 
 def full_precision_gguf(source: Path, out_dir: Path, threads: int) -> Path:
     """The target GGUF requantised to F32 by llama.cpp, kept in ``out_dir`` and reused while its source's
     sha256 is the one recorded beside it."""
-    from specdraft.model.llamacpp import requantize
-
     out = out_dir / f"{source.stem}.F32.gguf"
     record = out.with_name(out.name + ".json")
     source_sha = sha256_file(source)
@@ -407,9 +409,18 @@ def _results_markdown(result: dict[str, Any]) -> list[str]:
     else:
         runs = sum(1 for row in result["per_prompt"] for key in row["runs"] if key != "baseline")
         lines.append(f"Outputs equal to the engine's plain greedy: **{runs - len(result['mismatches'])} of {runs}** "
-                     "runs. This engine's multi-token passes round differently from its one-token passes (by "
-                     "design), so a near-tie can go the other way; where outputs part is in the JSON "
-                     "(`mismatches`: prompt, drafter, k, first differing token).")
+                     "runs. This engine computes a pass over several tokens with other kernels than a one-token pass "
+                     "(by design), so where the top two tokens are close a verify pass may choose the other one; "
+                     "where outputs part is in the JSON (`mismatches`: prompt, drafter, k, first differing token).")
+        consistency = result.get("engine_consistency")
+        if consistency:
+            gap = consistency["median_top2_gap_where_differs"]
+            lines.append(f"Measured on the plain greedy outputs themselves (teacher-forced): one verify pass over "
+                         f"them picks another argmax than the one-token passes at **{consistency['argmax_differs']} of "
+                         f"{consistency['positions']}** positions; the logits differ by up to "
+                         f"{consistency['max_logit_difference']:.2f} (largest logit {consistency['logit_scale']:.1f})"
+                         + (f", and where the argmax differs the top two were {gap:.3f} apart (median)"
+                            if gap is not None else "") + ".")
     lines += ["", "| drafter | k | tokens/s | speedup | predicted | speedup (wall) | speedup (CPU) | "
                   "accepted drafts/step | tokens/step | acceptance | draft time |" + ("" if exact else " = plain |"),
               "|---|---|---|---|---|---|---|---|---|---|---|" + ("" if exact else "---|")]
@@ -487,8 +498,6 @@ def _load_target(config: SpeculateConfig, tokenizer, prompts: list[Prompt], stac
         drafters = build_drafters(config, tokenizer)
         stack.callback(_close_all, drafters)
         return TorchTarget(model), drafters, describe_source(config.target)
-    from specdraft.model.llamacpp import LlamaCppTarget
-
     gguf, threads, n_ctx = target_gguf_path(config), _llama_threads(config), _context_size(config, prompts)
     target = LlamaCppTarget(gguf, n_ctx=n_ctx, threads=threads)
     stack.callback(target.close)
@@ -511,10 +520,20 @@ def _context_size(config: SpeculateConfig, prompts: list[Prompt]) -> int:
     return max(len(p.ids) for p in prompts) + config.max_new_tokens + max(config.k) + 8
 
 
+def engine_consistency(target: LlamaCppTarget, prompts: list[Prompt], max_new_tokens: int) -> dict[str, Any]:
+    """llama.cpp's one-pass (verify) logits against its one-token (plain) logits on each prompt's plain greedy
+    output, pooled over the prompts: why speculative outputs part from plain greedy in this engine."""
+    rows = [batched_against_sequential(target.model, p.ids, target.greedy(p.ids, max_new_tokens).tokens)
+            for p in prompts if len(p.ids) >= 2]
+    gaps = sorted(g for r in rows for g in r["top2_gap_where_differs"])
+    return {"positions": sum(r["positions"] for r in rows), "argmax_differs": sum(r["argmax_differs"] for r in rows),
+            "max_logit_difference": max((r["max_logit_difference"] for r in rows), default=0.0),
+            "logit_scale": max((r["logit_scale"] for r in rows), default=0.0),
+            "median_top2_gap_where_differs": gaps[len(gaps) // 2] if gaps else None}
+
+
 def _full_precision(config: SpeculateConfig, prompts: list[Prompt], out: Path) -> dict[str, Any]:
     """The F32 target against the target's own 4-bit file as its draft, timed like the main table."""
-    from specdraft.model.llamacpp import LlamaCppTarget
-
     gguf, threads, n_ctx = target_gguf_path(config), _llama_threads(config), _context_size(config, prompts)
     f32 = full_precision_gguf(gguf, out, threads)
     with ExitStack() as stack:
@@ -525,8 +544,9 @@ def _full_precision(config: SpeculateConfig, prompts: list[Prompt], out: Path) -
         result = run_speculation_bench(target, drafters, prompts, config.k, config.max_new_tokens,
                                        warmup=config.warmup, progress=True, clock=config.clock,
                                        repeats=config.repeats, predict=config.predict)
+        result["engine_consistency"] = engine_consistency(target, prompts, config.max_new_tokens)
     return {"target": {"gguf": str(f32), "sha256": sha256_file(f32), "from": str(gguf)},
-            "drafters": {name: source for name, _, source in drafters}, **result}
+            "drafter_sources": {name: source for name, _, source in drafters}, **result}
 
 
 def run_speculate(config: SpeculateConfig) -> int:
@@ -553,9 +573,8 @@ def run_speculate(config: SpeculateConfig) -> int:
                                   "threads": threads, "target": target_source, **result,
                                   "compile_errors": _compile_errors(drafters)}
         if config.engine == "llama.cpp":
-            from specdraft.model.llamacpp import llama_cpp_version
-
             report["llama_cpp_python"] = llama_cpp_version()
+            report["engine_consistency"] = engine_consistency(target, prompts, config.max_new_tokens)
             stack.close()  # the main table's models out of memory before the full-precision target loads
             if config.full_precision:
                 atomic_write_json(out / "speculate.json", report)
