@@ -149,11 +149,13 @@ def test_batched_against_sequential_on_a_float_file(ggufs):
     target = LlamaCppTarget(f32, n_ctx=128, threads=1)
     try:
         tokens = target.greedy(PROMPT, 16).tokens
-        out = batched_against_sequential(target.model, PROMPT, tokens)
-        with pytest.raises(ValueError, match="at least two tokens"):
-            batched_against_sequential(target.model, PROMPT[:1], tokens)
+        out = batched_against_sequential(target.model, PROMPT, tokens, pass_tokens=5)
+        whole = batched_against_sequential(target.model, PROMPT, tokens, pass_tokens=len(tokens))
+        with pytest.raises(ValueError, match="need a prompt"):
+            batched_against_sequential(target.model, [], tokens, pass_tokens=5)
     finally:
         target.close()
     # F32 weights: the two passes sum in other orders, nothing more
-    assert out["positions"] == len(tokens) and out["argmax_differs"] == 0
-    assert 0 <= out["max_logit_difference"] < 1e-3 * out["logit_scale"]
+    for res in (out, whole):
+        assert res["positions"] == len(tokens) and res["argmax_differs"] == 0
+        assert 0 <= res["max_logit_difference"] < 1e-3 * res["logit_scale"]

@@ -57,7 +57,7 @@ def test_every_llama_cpp_row_from_one_command(files, tmp_path, capsys):
     assert consistency["positions"] > 0 and 0 <= consistency["argmax_differs"] <= consistency["positions"]
     assert "engine_consistency" in full
     assert "llama.cpp's own plain decoding" in text and "## Full-precision target" in text
-    assert "one verify pass over them picks another argmax" in text
+    assert consistency["pass_tokens"] == 5 and "passes of 5 tokens, as a verify pass" in text
     assert "Predicted from measured costs" in text and "Outputs equal to the engine's plain greedy" in text
     assert "self: best k=" in capsys.readouterr().out
 

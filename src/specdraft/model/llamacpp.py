@@ -156,24 +156,30 @@ class LlamaCppTarget(TargetModel):
         self.model.close()
 
 
-def batched_against_sequential(model: LlamaCppModel, prompt: Sequence[int], tokens: Sequence[int]) -> dict[str, Any]:
-    """How far llama.cpp's pass over several tokens strays from its one-token passes on the same tokens: the
-    logits after each of ``tokens`` computed one token at a time (plain decoding) and in one pass (a verify
-    pass), teacher-forced on ``tokens``. Where the argmax differs, speculative decoding's output parts from plain
-    greedy; how often that happens is the engine's, not the drafter's."""
+def batched_against_sequential(model: LlamaCppModel, prompt: Sequence[int], tokens: Sequence[int],
+                               pass_tokens: int) -> dict[str, Any]:
+    """How far llama.cpp's passes over several tokens stray from its one-token passes on the same tokens: the
+    logits after each of ``tokens`` computed one token at a time (plain decoding) and in passes of
+    ``pass_tokens`` tokens (verify passes: the last token kept, then the next ones), teacher-forced on ``tokens``,
+    both after the same prefill of ``prompt``. Where the argmax differs, speculative decoding's output parts from plain greedy; how often that
+    happens is the engine's, not the drafter's."""
     prompt, tokens = [int(t) for t in prompt], [int(t) for t in tokens]
+    if not prompt or pass_tokens < 1:
+        raise ValueError("need a prompt and passes of at least one token")
     sequential = [model.decode(prompt, 0)[-1]]
     for i, tok in enumerate(tokens[:-1]):
         sequential.append(model.decode([tok], len(prompt) + i)[-1])
-    if len(prompt) < 2:
-        raise ValueError("the prompt needs at least two tokens (the last one starts the pass)")
-    model.decode(prompt[:-1], 0)
-    batched = model.decode(prompt[-1:] + tokens[:-1], len(prompt) - 1, n_logits=len(tokens))
-    sequential_arr = np.stack(sequential)
+    # as speculative decoding runs with every drafted token accepted: the prompt's prefill, then passes over the
+    # last token kept and the next ones
+    batched = [model.decode(prompt, 0)[-1:]]
+    for i in range(0, len(tokens) - 1, pass_tokens):
+        chunk = tokens[i:min(i + pass_tokens, len(tokens) - 1)]
+        batched.append(model.decode(chunk, len(prompt) + i, n_logits=len(chunk)))
+    sequential_arr, batched_arr = np.stack(sequential), np.concatenate(batched)
     top2 = np.sort(sequential_arr, axis=1)[:, -2:]
-    differs = sequential_arr.argmax(1) != batched.argmax(1)
-    return {"positions": len(tokens), "argmax_differs": int(differs.sum()),
-            "max_logit_difference": float(np.abs(sequential_arr - batched).max()),
+    differs = sequential_arr.argmax(1) != batched_arr.argmax(1)
+    return {"positions": len(tokens), "pass_tokens": pass_tokens, "argmax_differs": int(differs.sum()),
+            "max_logit_difference": float(np.abs(sequential_arr - batched_arr).max()),
             "logit_scale": float(np.abs(sequential_arr).max()),
             "top2_gap_where_differs": [round(float(g), 4) for g in (top2[:, 1] - top2[:, 0])[differs]]}
 

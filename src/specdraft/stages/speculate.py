@@ -415,8 +415,9 @@ def _results_markdown(result: dict[str, Any]) -> list[str]:
         consistency = result.get("engine_consistency")
         if consistency:
             gap = consistency["median_top2_gap_where_differs"]
-            lines.append(f"Measured on the plain greedy outputs themselves (teacher-forced): one verify pass over "
-                         f"them picks another argmax than the one-token passes at **{consistency['argmax_differs']} of "
+            lines.append(f"Measured on the plain greedy outputs themselves (teacher-forced): passes of "
+                         f"{consistency['pass_tokens']} tokens, as a verify pass at the largest k, pick another argmax "
+                         f"than the one-token passes at **{consistency['argmax_differs']} of "
                          f"{consistency['positions']}** positions; the logits differ by up to "
                          f"{consistency['max_logit_difference']:.2f} (largest logit {consistency['logit_scale']:.1f})"
                          + (f", and where the argmax differs the top two were {gap:.3f} apart (median)"
@@ -520,13 +521,16 @@ def _context_size(config: SpeculateConfig, prompts: list[Prompt]) -> int:
     return max(len(p.ids) for p in prompts) + config.max_new_tokens + max(config.k) + 8
 
 
-def engine_consistency(target: LlamaCppTarget, prompts: list[Prompt], max_new_tokens: int) -> dict[str, Any]:
-    """llama.cpp's one-pass (verify) logits against its one-token (plain) logits on each prompt's plain greedy
-    output, pooled over the prompts: why speculative outputs part from plain greedy in this engine."""
-    rows = [batched_against_sequential(target.model, p.ids, target.greedy(p.ids, max_new_tokens).tokens)
-            for p in prompts if len(p.ids) >= 2]
+def engine_consistency(target: LlamaCppTarget, prompts: list[Prompt], max_new_tokens: int,
+                       pass_tokens: int) -> dict[str, Any]:
+    """llama.cpp's verify-pass logits (passes of ``pass_tokens``) against its one-token (plain) logits on each
+    prompt's plain greedy output, pooled over the prompts: why speculative outputs part from plain greedy in this
+    engine, where they do."""
+    rows = [batched_against_sequential(target.model, p.ids, target.greedy(p.ids, max_new_tokens).tokens, pass_tokens)
+            for p in prompts]
     gaps = sorted(g for r in rows for g in r["top2_gap_where_differs"])
-    return {"positions": sum(r["positions"] for r in rows), "argmax_differs": sum(r["argmax_differs"] for r in rows),
+    return {"pass_tokens": pass_tokens, "positions": sum(r["positions"] for r in rows),
+            "argmax_differs": sum(r["argmax_differs"] for r in rows),
             "max_logit_difference": max((r["max_logit_difference"] for r in rows), default=0.0),
             "logit_scale": max((r["logit_scale"] for r in rows), default=0.0),
             "median_top2_gap_where_differs": gaps[len(gaps) // 2] if gaps else None}
@@ -544,7 +548,7 @@ def _full_precision(config: SpeculateConfig, prompts: list[Prompt], out: Path) -
         result = run_speculation_bench(target, drafters, prompts, config.k, config.max_new_tokens,
                                        warmup=config.warmup, progress=True, clock=config.clock,
                                        repeats=config.repeats, predict=config.predict)
-        result["engine_consistency"] = engine_consistency(target, prompts, config.max_new_tokens)
+        result["engine_consistency"] = engine_consistency(target, prompts, config.max_new_tokens, max(config.k) + 1)
     return {"target": {"gguf": str(f32), "sha256": sha256_file(f32), "from": str(gguf)},
             "drafter_sources": {name: source for name, _, source in drafters}, **result}
 
@@ -574,7 +578,7 @@ def run_speculate(config: SpeculateConfig) -> int:
                                   "compile_errors": _compile_errors(drafters)}
         if config.engine == "llama.cpp":
             report["llama_cpp_python"] = llama_cpp_version()
-            report["engine_consistency"] = engine_consistency(target, prompts, config.max_new_tokens)
+            report["engine_consistency"] = engine_consistency(target, prompts, config.max_new_tokens, max(config.k) + 1)
             stack.close()  # the main table's models out of memory before the full-precision target loads
             if config.full_precision:
                 atomic_write_json(out / "speculate.json", report)
