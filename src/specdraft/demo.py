@@ -96,8 +96,8 @@ BUDGETS: dict[str, Budget] = {
     # 102 traced so that at least 96 remain to train on once the held-out fraction is set aside; 1.5 epochs: the
     # held-out acceptance peaks inside the second pass. Speculation: a few prompts, each drafter at k = 16 (the
     # calibrated stop drafts fewer where that pays), two passes so that the summary can tell a difference from
-    # the machine's noise, short enough to keep the whole demo within 10 minutes; no predicted speed-ups; in llama.cpp one middling k and no full-precision table, to
-    # keep within its time
+    # the machine's noise, short enough to keep the whole demo within 10 minutes; no predicted speed-ups; in
+    # llama.cpp one middling k and no full-precision table, to keep within its time
     "small": Budget(trace_prompts=102, trace_tokens=64, draft_init=DRAFT_INIT, epochs=1.5, lr=5e-4,
                     freeze_layers=FROZEN_LAYERS, val_prompts=16, val_tokens=64, spec_prompts=4, spec_tokens=32,
                     spec_k=[16], spec_repeats=2, qat=True, compile_drafts=False, predict=False, llama_k=[4],

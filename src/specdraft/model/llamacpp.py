@@ -161,8 +161,8 @@ def batched_against_sequential(model: LlamaCppModel, prompt: Sequence[int], toke
     """How far llama.cpp's passes over several tokens stray from its one-token passes on the same tokens: the
     logits after each of ``tokens`` computed one token at a time (plain decoding) and in passes of
     ``pass_tokens`` tokens (verify passes: the last token kept, then the next ones), teacher-forced on ``tokens``,
-    both after the same prefill of ``prompt``. Where the argmax differs, speculative decoding's output parts from plain greedy; how often that
-    happens is the engine's, not the drafter's."""
+    both after the same prefill of ``prompt``. Where the argmax differs, speculative decoding's output parts from
+    plain greedy; how often that happens is the engine's, not the drafter's."""
     prompt, tokens = [int(t) for t in prompt], [int(t) for t in tokens]
     if not prompt or pass_tokens < 1:
         raise ValueError("need a prompt and passes of at least one token")
