@@ -626,7 +626,7 @@ def _llama_cpp_section(summary: dict) -> list[str]:
               "Speed-up = tokens/s over llama.cpp's plain decoding of the same file in the same run; predicted = "
               "from the target's measured pass costs and a replay of each drafter "
               "(`speculate_llama_cpp/speculate.md`); = plain greedy = the share of outputs equal to llama.cpp's "
-              "plain decoding (its multi-token passes round differently from its one-token passes, by design).",
+              "plain decoding (its multi-token passes may round differently from its one-token passes, by design).",
               ""] + _speed_table(spec)
     full = spec.get("full_precision")
     if full:
