@@ -72,6 +72,7 @@ import psutil
 from specdraft.core.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from specdraft.core.provenance import run_metadata
 from specdraft.core.records import ValidationPoint, load_validation
+from specdraft.drafting.acceptance import percentile
 from specdraft.drafting.metrics import accepted_length
 from specdraft.server.process import ServerProcess
 
@@ -96,15 +97,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def machine() -> dict[str, Any]:
@@ -338,8 +330,9 @@ def run_server(peer, clients: int, points: list[ValidationPoint], order: list[in
                                            "seconds": w1 - w0},
         "seconds": seconds, "drain_s": max(0.0, end - stop_at), "sent": len(answers), "answered": len(ok),
         "answered_in_window": in_window, "answered_per_s": in_window / seconds if seconds > 0 else 0.0,
-        "p50_s": pct(latencies, 50), "p99_s": pct(latencies, 99), "mean_s": statistics.fmean(latencies)
-        if latencies else None, "max_s": max(latencies, default=None),
+        "p50_s": percentile(latencies, 50) if latencies else None,
+        "p99_s": percentile(latencies, 99) if latencies else None,
+        "mean_s": statistics.fmean(latencies) if latencies else None, "max_s": max(latencies, default=None),
         "errors": len(errors), "error_examples": sorted(set(errors))[:5],
         "mean_accepted": statistics.fmean(accepted) if accepted else None,
         "accepted_histogram": [accepted.count(a) for a in range(k + 1)],
