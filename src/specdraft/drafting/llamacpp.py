@@ -10,6 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from specdraft.drafting.base import Drafter
+from specdraft.drafting.metrics import accepted_length
 from specdraft.model.llamacpp import LlamaCppModel, llama_cpp_module
 
 
@@ -26,8 +27,7 @@ class LlamaCppDrafter(Drafter):
         context = [int(t) for t in context]
         if num_tokens < 1:
             return []
-        have = self.model.tokens
-        common = next((i for i, (x, y) in enumerate(zip(have, context)) if x != y), min(len(have), len(context)))
+        common = accepted_length(self.model.tokens, context)  # the cached prefix still valid
         start = min(common, len(context) - 1)  # at least the last token is fed: its logits start the draft
         out = [int(self.model.decode(context[start:], start)[-1].argmax())]
         while len(out) < num_tokens:

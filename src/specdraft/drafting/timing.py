@@ -148,7 +148,7 @@ def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], pro
                     "MISMATCH" if target.exact else "differs from plain greedy:", prompt.id, name, k, bad)
             key = "baseline" if name == "baseline" else f"{name}/k={k}"
             row["runs"][key] = {"seconds": wall, "cpu_seconds": cpu, "steps": gen.steps, "accepted": gen.accepted,
-                                "drafted": gen.drafted, "accepted_per_step": gen.accepted_per_step}
+                                "drafted": gen.drafted}
         rows.append(row)
     base = totals[("baseline", 1)]
     results: dict[str, dict[str, Any]] = {}
