@@ -10,6 +10,7 @@ import pytest
 
 import specdraft.demo as demo
 from specdraft.data.corpus import heldout_path
+from specdraft.model.compat import PipelineModels
 from specdraft.stages.pack import PackResult
 
 # the target's measured pass costs: a pass over 5 tokens (k = 4) costs two one-token steps
@@ -82,6 +83,9 @@ def _stub_run(tmp_path, monkeypatch, audit_exit=0, llama=False, run=(), files=No
     monkeypatch.setattr(demo, "llama_cpp_available", lambda: llama)
     monkeypatch.setattr(demo, "run_selfcheck", lambda cfg: calls.append("selfcheck") or 0)
     monkeypatch.setattr(demo, "run_audit", lambda cfg: calls.append(f"audit {cfg.run_dir}") or audit_exit)
+    monkeypatch.setattr(demo, "check_pipeline_models", lambda target, init: PipelineModels(
+        target=target, model_type="llama", vocab_rows=49152, tokenizer_entries=49152, draft_init=init,
+        lean_forward=True, gguf_export=True))
     run_dir = tmp_path / "demo"
     for name, content in {**STUB_FILES, **(files or {})}.items():
         (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
@@ -194,11 +198,13 @@ def test_without_llama_cpp_the_summary_quotes_its_speed_and_says_how_to_measure_
     assert "| llama rows |" in text and "In llama.cpp" not in text  # quoted, and no verdict drawn from it
 
     # a target without a GGUF file of its own: why, and the command that measures it
-    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), target="hub:org/model@main"))
+    hub = dict(target="hub:org/model@main", draft_init="truncate:2")
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), **hub))
     text = (run / "demo_summary.md").read_text()
     assert "Not measured in this run: llama-cpp-python is not installed" in text  # the first reason that holds
+    assert "| llama rows |" not in text  # the embedded target's figures are not this target's
     monkeypatch.setattr(demo, "llama_cpp_available", lambda: True)
-    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), target="hub:org/model@main"))
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), **hub))
     text = (run / "demo_summary.md").read_text()
     assert "the target hub:org/model@main brings no GGUF file of its own" in text and "--target-gguf FILE" in text
     monkeypatch.setattr(demo, "llama_cpp_available", lambda: False)
@@ -291,3 +297,43 @@ def test_a_resumed_demo_says_what_training_took_over_its_sittings_and_which_stag
     text = (run / "demo_summary.md").read_text()
     assert "28 steps over 11200 tokens in 2.9 min over its sittings (resumed at step 20 after an interruption)" in text
     assert "for this invocation, which skipped 2 stages an earlier one finished (prompts, traces;" in text
+
+
+# ------------------------------------------------------------------------------------------- a user's own target
+
+def test_the_draft_start_follows_the_target():
+    embedded = demo.DemoConfig()
+    assert demo.draft_start(embedded, demo.BUDGETS["small"]) == (demo.DRAFT_INIT.format(target=embedded.target),
+                                                                 demo.FROZEN_LAYERS)
+    cut = demo.DemoConfig(target="/models/mine", draft_init="truncate:3", freeze_layers=1)
+    assert demo.draft_start(cut, demo.BUDGETS["small"]) == ("truncate:/models/mine:3", 1)
+    pretrained = demo.DemoConfig(target="/models/mine", draft_init="/models/small")
+    assert demo.draft_start(pretrained, demo.BUDGETS["default"]) == ("/models/small", 0)
+
+
+def test_without_a_draft_start_a_users_target_keeps_half_its_layers(tmp_path):
+    from specdraft.model.tiny import build_tiny_model
+    target = build_tiny_model(tmp_path / "target", "qwen3", layers=4)
+    assert demo.draft_start(demo.DemoConfig(target=str(target)), demo.BUDGETS["small"]) == (f"truncate:{target}:2", 0)
+
+
+def test_a_target_the_pipeline_cannot_carry_is_refused_before_any_stage(tmp_path, tiny_qwen3_dir, monkeypatch):
+    from specdraft.model.compat import UnsupportedModelError
+    from specdraft.model.tiny import build_tiny_model
+    ran = []
+    monkeypatch.setattr(demo, "_stage", lambda *a: ran.append(a[1]))
+    other = build_tiny_model(tmp_path / "other", "qwen3", vocab_size=300)
+    with pytest.raises(UnsupportedModelError, match="tokenizer is not the target's"):
+        demo.run_demo(demo.DemoConfig(out=str(tmp_path / "run"), target=str(tiny_qwen3_dir), draft_init=str(other)))
+    assert ran == []
+
+
+def test_a_target_without_gguf_support_is_exported_for_transformers(tmp_path, monkeypatch):
+    run, _, stages = _stub_run(tmp_path, monkeypatch)
+    monkeypatch.setattr(demo, "check_pipeline_models", lambda target, init: PipelineModels(
+        target=target, model_type="mistral", vocab_rows=320, tokenizer_entries=320, draft_init=init,
+        lean_forward=False, gguf_export=False, notes=["no GGUF"]))
+    demo.run_demo(demo.DemoConfig(out=str(run), target="/models/mistral", draft_init="truncate:1"))
+    assert stages["export"]["fingerprint"]["format"] == "hf"
+    assert stages["export"]["fingerprint"]["out"] == str(run / "export" / "hf")
+    assert "speculate_llama_cpp" not in stages

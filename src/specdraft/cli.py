@@ -36,7 +36,11 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
                   "lossless greedy speculative decoding, timed against plain greedy"),
     "selfcheck": ("specdraft.stages.selfcheck", "SelfcheckConfig", "run_selfcheck",
                   "start the server on a packed model dir and check it end to end"),
-    "demo": ("specdraft.demo", "DemoConfig", "run_demo", "the whole pipeline on the embedded default"),
+    "demo": ("specdraft.demo", "DemoConfig", "run_demo", "the whole pipeline on the embedded default or a "
+                                                          "target of your own (--target DIR)"),
+    "rehearse": ("specdraft.rehearsal", "RehearseConfig", "run_rehearsal",
+                 "the reference path (Qwen3) through every stage on the real Qwen3 tokenizer, with Qwen3-shaped "
+                 "stand-in models"),
     "audit": ("specdraft.audit", "AuditConfig", "run_audit", "prove where every artifact of a run came from"),
 }
 

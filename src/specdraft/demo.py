@@ -30,8 +30,9 @@ from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.data.corpus import heldout_path
 from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM
 from specdraft.drafting.prediction import TargetCosts, ceiling
+from specdraft.model.compat import PipelineModels, check_pipeline_models
 from specdraft.model.llamacpp import llama_cpp_available, llama_cpp_version
-from specdraft.model.specs import DEFAULT_TARGET
+from specdraft.model.specs import DEFAULT_TARGET, model_summary
 from specdraft.model.truncate import save_init
 from specdraft.server.process import ServerProcess
 from specdraft.stages.evaluate import EvalConfig, run_eval
@@ -116,7 +117,18 @@ class DemoConfig(StageConfig):
     budget: Literal["small", "default", "full"] = Field(
         "small", description="how much to run (small: under 10 minutes on 2 cores; BENCHMARKS.md has each "
                              "budget's time)")
-    target: str = Field(DEFAULT_TARGET, description="target model spec")
+    target: str = Field(DEFAULT_TARGET, description="target model: the embedded default, or a local causal-LM dir "
+                                                    "with a chat template (or a pinned hub:ORG/NAME@REV)")
+    draft_init: Optional[str] = Field(
+        None, description="where the draft starts: a model dir or spec sharing the target's tokenizer "
+                          "(from_pretrained, e.g. a smaller model of the target's family), or truncate:N / "
+                          "truncate:i,j,k (the target's first N layers / those layers); default: the budget's "
+                          "recipe for the embedded target, the first half of the target's layers for any other")
+    freeze_layers: Optional[int] = Field(None, ge=0, description="the draft's first layers kept frozen in training "
+                                                                 "(default: the budget's for the embedded "
+                                                                 "target, 0 for any other)")
+    device: str = Field("auto", description="the in-process stages' device: auto (cuda when available), cpu, "
+                                            "cuda or cuda:N")
     manifest: Optional[str] = Field(None, description="data manifest (default: configs/manifest.shared.json "
                                                       "when ../shared is present, else the prompt corpus shipped "
                                                       "in the package)")
@@ -158,32 +170,60 @@ def _default_eval_set() -> tuple[str, str]:
     return str(heldout_path()), "the packaged corpus's held-out families"
 
 
-def run_demo(cfg: DemoConfig) -> int:
+def run_demo(cfg: DemoConfig, budget: Budget | None = None, budget_name: str | None = None) -> int:
+    """The pipeline on ``cfg.target`` at ``cfg.budget`` (or an explicit ``budget``, as the reference rehearsal's);
+    a target or draft start it cannot carry is refused before any stage runs (``check_pipeline_models``)."""
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    budget = BUDGETS[cfg.budget]
+    budget = budget or BUDGETS[cfg.budget]
     started = time.time()
     with stage_log(run_dir / "demo.log"):
-        summary = _pipeline(cfg, budget, run_dir)
+        init_spec, frozen = draft_start(cfg, budget)
+        models = check_pipeline_models(cfg.target, init_spec)
+        for note in models.notes:
+            log.info("demo: %s", note)
+        summary = _pipeline(cfg, budget, run_dir, init_spec, frozen, models)
+        summary["budget"] = budget_name or cfg.budget
         summary["wall_seconds"] = round(time.time() - started, 1)
         # a marker older than this invocation is a stage an earlier one finished (and this one skipped); whole
         # seconds, for file systems that keep coarse modification times
         markers = sorted((m.stat().st_mtime, m.stem) for m in (run_dir / ".stages").glob("*.json"))
         summary["stages_done_earlier"] = [name for mtime, name in markers if mtime < int(started)]
-        summary["budget_reference"] = benchmarks_block(BUDGETS_BLOCK)
-        if summary.get("speculate_llama_cpp") is None:
-            summary["llama_cpp_reference"] = benchmarks_block(LLAMA_CPP_BLOCK)
+        # BENCHMARKS.md's figures are the embedded target's: quoted for it alone
+        summary["embedded_target"] = cfg.target == DEFAULT_TARGET
+        if summary["embedded_target"]:
+            summary["budget_reference"] = benchmarks_block(BUDGETS_BLOCK)
+            if summary.get("speculate_llama_cpp") is None:
+                summary["llama_cpp_reference"] = benchmarks_block(LLAMA_CPP_BLOCK)
         summary.update(run_metadata())
         atomic_write_json(run_dir / "demo_summary.json", summary)
         table = summary_markdown(summary)
         atomic_write_text(run_dir / "demo_summary.md", table)
         print(table)
-    return 0 if summary.get("audit_exit", 0) == 0 and summary.get("selfcheck_exit", 0) == 0 else 1
+    return 0 if summary.get("audit_exit") in (None, 0) and summary.get("selfcheck_exit") in (None, 0) else 1
 
 
-def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
+def draft_start(cfg: DemoConfig, budget: Budget) -> tuple[str, int]:
+    """(the draft's init spec, its frozen layers): ``--draft-init`` with ``truncate:N`` made the target's, else
+    the budget's recipe for the embedded target, else the first half of the target's layers."""
+    embedded = cfg.target == DEFAULT_TARGET
+    init = cfg.draft_init
+    if init is None and embedded:
+        init = budget.draft_init
+    if init is None:
+        layers = int(model_summary(cfg.target)["layers"])
+        init = f"truncate:{max(1, layers // 2)}"
+    if init.startswith("truncate:") and init.count(":") == 1:  # truncate:N names the target's layers
+        init = "truncate:{target}:" + init.removeprefix("truncate:")
+    init = init.replace("{target}", cfg.target)
+    frozen = cfg.freeze_layers if cfg.freeze_layers is not None else (budget.freeze_layers if embedded else 0)
+    return init, frozen
+
+
+def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path, init_spec: str, frozen: int,
+              models: PipelineModels) -> dict[str, Any]:
     eval_set, eval_kind = (cfg.eval_set, "the --eval-set file") if cfg.eval_set else _default_eval_set()
     manifest = cfg.manifest or _default_manifest()
 
@@ -194,21 +234,20 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
 
     traces_cfg = TracesConfig(target=cfg.target, prompts=run_dir / "prompts" / "prompts.jsonl",
                               out=run_dir / "traces" / "traces.jsonl", max_new_tokens=budget.trace_tokens,
-                              limit=budget.trace_prompts)
+                              limit=budget.trace_prompts, device=cfg.device)
     _stage(run_dir, "traces", traces_cfg.to_json_dict(), lambda: {"rows": run_traces(traces_cfg).rows})
 
     val_cfg = ValidationConfig(target=cfg.target, prompts=Path(eval_set),
                                out=run_dir / "validation" / "validation.jsonl",
-                               max_new_tokens=budget.val_tokens, limit=budget.val_prompts)
+                               max_new_tokens=budget.val_tokens, limit=budget.val_prompts, device=cfg.device)
     _stage(run_dir, "validation", val_cfg.to_json_dict(), lambda: {"rows": run_validation(val_cfg).rows})
 
-    init_spec = budget.draft_init.format(target=cfg.target)
     pack_cfg = PackConfig(checkpoint=str(run_dir / "draft"), out=str(run_dir / "model"), overwrite=True,
                           **({"fit": "gptq", "calibration": str(run_dir / "traces" / "traces.jsonl")}
                              if budget.gptq else {}))
     train_cfg = TrainConfig(traces=str(run_dir / "traces" / "traces.jsonl"), init=init_spec,
                             out=str(run_dir / "draft"), target=cfg.target, epochs=budget.epochs, lr=budget.lr,
-                            freeze_layers=budget.freeze_layers, threads=cfg.threads,
+                            freeze_layers=frozen, threads=cfg.threads,
                             qat_group_size=pack_cfg.group_size if budget.qat else None)
     _stage(run_dir, "train", train_cfg.to_json_dict(), lambda: _train_result(run_train(train_cfg)))
 
@@ -220,9 +259,12 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
 
     _stage(run_dir, "pack", pack_cfg.to_json_dict(), lambda: {"bytes": run_pack(pack_cfg).bytes})
 
-    # The trained draft for llama.cpp (`llama-server -md`); the audit follows its record back to the pack.
-    export_cfg = ExportConfig(model_dir=str(run_dir / "model"), format="gguf",
-                              out=str(run_dir / "export" / "draft.gguf"), overwrite=True)
+    # The trained draft for llama.cpp (`llama-server -md`), or for transformers / vLLM where the GGUF writer does
+    # not cover the architecture; the audit follows its record back to the pack.
+    export_cfg = (ExportConfig(model_dir=str(run_dir / "model"), format="gguf",
+                               out=str(run_dir / "export" / "draft.gguf"), overwrite=True) if models.gguf_export else
+                  ExportConfig(model_dir=str(run_dir / "model"), format="hf", out=str(run_dir / "export" / "hf"),
+                               overwrite=True))
     export = _stage(run_dir, "export", {**export_cfg.to_json_dict(), "pack": pack_cfg.to_json_dict(),
                                "train": train_cfg.to_json_dict()},
            lambda: _export_result(run_export(export_cfg)))
@@ -236,14 +278,14 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
     reports: dict[str, dict] = {}
     for name, kwargs in (("init", {"model_dir": run_dir / "init"}), ("lookup", {"lookup": True}),
                          ("self", {"model_dir": run_dir / "model_self", "compute": "int4", "threads": cfg.threads})):
-        ecfg = EvalConfig(validation=validation, out=run_dir / "eval" / name, **kwargs)
+        ecfg = EvalConfig(validation=validation, out=run_dir / "eval" / name, device=cfg.device, **kwargs)
         _stage(run_dir, f"eval_{name}", ecfg.to_json_dict(), lambda ecfg=ecfg: run_eval(ecfg))
         reports[name] = read_json(run_dir / "eval" / name / "report.json")
 
     # The trained draft is measured the way it ships: packed, behind the HTTP server.
     def eval_served():
         server = ServerProcess(run_dir / "model", run_dir / "eval" / "served_server.log",
-                               ["--threads", str(cfg.threads)] if cfg.threads else ())
+                               ["--device", cfg.device, *(["--threads", str(cfg.threads)] if cfg.threads else [])])
         try:
             ok, detail = server.wait_ready(300)
             if not ok:
@@ -269,7 +311,7 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
                                num_prompts=budget.spec_prompts, threads=cfg.threads, repeats=budget.spec_repeats,
                                also_draft=[f"self={run_dir / 'model_self'}"],
                                draft_compile="on" if budget.compile_drafts else "off", clock=clock,
-                               predict=budget.predict)
+                               predict=budget.predict, device=cfg.device)
     _stage(run_dir, "speculate", {**spec_cfg.to_json_dict(), "train": train_cfg.to_json_dict(),
                                   "pack_self": self_cfg.to_json_dict()},
            lambda: run_speculate(spec_cfg))
@@ -308,7 +350,8 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
         "eval_set": {"path": eval_set, "kind": eval_kind},
         "data": _data_facts(run_dir),
         "draft_init": init_spec,
-        "frozen_layers": budget.freeze_layers,
+        "frozen_layers": frozen,
+        "models": models.to_json(),
         "hybrid_min_ngram": DEFAULT_HYBRID_MIN_NGRAM,
         "acceptance": {name: _acceptance(r) for name, r in reports.items()},
         "draft_latency": reports["trained"].get("latency"),
@@ -325,7 +368,10 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path) -> dict[str, Any]:
 
 def _export_result(result) -> dict:
     record = read_json(result.record)
-    return {"path": str(result.out), "bytes": result.out.stat().st_size, "exact": result.exact,
+    out = Path(result.out)
+    files = [f for f in out.rglob("*") if f.is_file()] if out.is_dir() else [out]
+    return {"path": str(out), "format": record.get("format", "gguf"), "bytes": sum(f.stat().st_size for f in files),
+            "exact": result.exact,
             "tensors": len(record.get("tensors", [])), "not_exact": len(record.get("not_exact", []))}
 
 
@@ -615,9 +661,11 @@ def _llama_cpp_section(summary: dict) -> list[str]:
     spec = summary.get("speculate_llama_cpp")
     if not spec:
         skipped = summary.get("llama_cpp_not_measured") or {}
-        return lines + [f"Not measured in this run: {skipped.get('why')}. {skipped.get('how')}. What it gave on a "
-                        "named machine (BENCHMARKS.md):", "",
-                        summary.get("llama_cpp_reference") or _missing_block(LLAMA_CPP_BLOCK)]
+        lines.append(f"Not measured in this run: {skipped.get('why')}. {skipped.get('how')}.")
+        if not summary.get("embedded_target", True):
+            return lines
+        return lines[:-1] + [lines[-1][:-1] + ". What it gave on a named machine (BENCHMARKS.md):", "",
+                             summary.get("llama_cpp_reference") or _missing_block(LLAMA_CPP_BLOCK)]
     target = Path(spec["target_file"]).name if spec.get("target_file") else "the target's GGUF file"
     threads = spec.get("threads")
     lines += [f"llama-cpp-python {spec.get('llama_cpp_python')}, the target's own file `{target}`, "
@@ -675,10 +723,10 @@ def summary_markdown(summary: dict) -> str:
               "(`speculate/speculate.md`).", ""] + _speed_table(spec)
     lines += [""] + _llama_cpp_section(summary)
     lines += ["", "## Verdict", ""] + [f"- {line}" for line in verdict(summary)]
-    reference = summary.get("budget_reference")
-    lines += ["", "## What the larger budgets reach", "",
-              "`make demo BUDGET=default` or `BUDGET=full` (figures from BENCHMARKS.md, with their machine):", "",
-              reference or _missing_block(BUDGETS_BLOCK)]
+    if summary.get("embedded_target", True):
+        lines += ["", "## What the larger budgets reach", "",
+                  "`make demo BUDGET=default` or `BUDGET=full` (figures from BENCHMARKS.md, with their machine):", "",
+                  summary.get("budget_reference") or _missing_block(BUDGETS_BLOCK)]
     self_pack = summary.get("pack_self") or {}
     lines += ["", "## Files and checks", "",
               f"Pack: {summary['pack']['bytes']} bytes, {summary['pack']['parameters']} parameters (self-draft: "
@@ -694,7 +742,9 @@ def _describe_export(export: dict | None) -> str:
         return ""
     exact = ("every tensor holds the pack's values exactly" if export.get("exact") else
              f"{export.get('not_exact')} of {export.get('tensors')} tensors not exactly the pack's values")
-    return (f"GGUF for llama.cpp: `{export.get('path')}`, {export.get('bytes')} bytes, {exact} "
+    gguf = export.get("format", "gguf") == "gguf"
+    engines = "GGUF for llama.cpp" if gguf else "Hugging Face dir for transformers / vLLM"
+    return (f"{engines}: `{export.get('path')}`, {export.get('bytes')} bytes, {exact} "
             "(docs/exports.md). ")
 
 

@@ -236,3 +236,18 @@ def vocab_compatible(target: str | os.PathLike, draft: str | os.PathLike) -> dic
                          and (not out["add_eos"][0] or out["eos"][0] == out["eos"][1])
                          and abs(n_t - n_d) <= 128 and not differ)
     return out
+
+
+def vocab_texts(path: str | os.PathLike) -> list[bytes]:
+    """Every token's text in a GGUF file's vocabulary as llama.cpp reads it (``llama_vocab_get_text``)."""
+    lib = llama_cpp_module()
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    model = lib.llama_model_load_from_file(str(check_gguf_file(path)).encode(), params)
+    if not model:
+        raise ValueError(f"{path}: llama.cpp could not read its vocabulary")
+    try:
+        vocab = lib.llama_model_get_vocab(model)
+        return [lib.llama_vocab_get_text(vocab, i) for i in range(lib.llama_vocab_n_tokens(vocab))]
+    finally:
+        lib.llama_model_free(model)
