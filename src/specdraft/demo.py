@@ -709,8 +709,11 @@ def summary_markdown(summary: dict) -> str:
     for name in ("init", "trained", "lookup", "trained_lookup", "self"):
         if name in acc:
             a = acc[name]
+            what = DRAFTERS[name][1]
+            if name == "init" and not summary["draft_init"].startswith("truncate:"):
+                what = f"the draft before training: `{summary['draft_init']}` as loaded"
             lines.append(f"| {DRAFTERS[name][0]} | {_fmt(a.get('mean_accepted_pooled'), 2)} | "
-                         f"{_fmt(a.get('mean_accepted_per_prompt'), 2)} | {DRAFTERS[name][1]} |")
+                         f"{_fmt(a.get('mean_accepted_per_prompt'), 2)} | {what} |")
     latency = summary.get("draft_latency") or {}
     lines += ["", "A 16-token draft over HTTP (eval clients, 8 concurrent): "
                   f"p50 {_fmt(latency.get('p50_ms'), 0)} ms, p99 {_fmt(latency.get('p99_ms'), 0)} ms.", "",
