@@ -414,3 +414,20 @@ def test_server_reading_a_stray_file_fails_the_audit(run, monkeypatch):
     (bad,) = _failed(_audit(run, greedy_check=0, serve_check=True))["files read"]
     assert bad.details == sorted(stray)
     assert bad.cites == [{"file": "audit/serve_check.events.jsonl", "field": "event=open"}]
+
+
+def test_a_stored_distribution_must_be_the_declared_top_k_with_the_greedy_token_first(run):
+    path, summary = run / "traces" / "traces.jsonl", run / "traces" / "traces.summary.json"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:
+        r["top_ids"] = [[t, (t + 1) % 300] for t in r["completion_ids"]]
+        r["top_logprobs"] = [[-0.1, -2.5] for _ in r["completion_ids"]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fails = _failed(_audit(run, greedy_check=0))
+    assert "stored distribution" in fails  # stored without top_logprobs declared
+    _edit_json(summary, "config.top_logprobs", 2)
+    assert "stored distribution" not in _failed(_audit(run, greedy_check=0))
+    rows[0]["top_ids"][0] = [rows[0]["top_ids"][0][1], rows[0]["top_ids"][0][0]]  # the greedy token second
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (bad,) = _failed(_audit(run, greedy_check=0))["stored distribution"]
+    assert repr(rows[0]["id"]) in bad.details[0]

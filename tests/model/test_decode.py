@@ -226,3 +226,28 @@ def test_released_rows_stop_and_free_their_slot(tiny_qwen3_dir):
     assert _drain(decoder, [])[1][-4:] == _drain(alone, alone.admit([1], [[8, 9, 10]]))[1][-4:]
     with pytest.raises(ValueError, match="not the one being prefilled"):
         decoder.prefill_chunk(2, list(range(3, 20)), 4, 4)
+
+
+def test_top_logprobs_are_the_full_forwards_top_k_at_every_generated_position(tiny_model_dir):
+    """What traces store for distillation: per generated position the k most likely ids (the generated token
+    first) and their log-softmax values, as a full forward of the prefix gives them, batched or alone."""
+    model = _load(tiny_model_dir)
+    prompts = _prompts(model.config.vocab_size, [4, 11, 2], seed=5)
+    k = 5
+    batched = dict(iter_greedy(model, prompts, 6, stop_at_eos=False, top_logprobs=k, kv_cache="static"))
+    for i, prompt in enumerate(prompts):
+        gen = batched[i]
+        alone = dict(iter_greedy(model, [prompt], 6, stop_at_eos=False, top_logprobs=k, kv_cache="static"))[0]
+        assert gen.top_ids == alone.top_ids
+        assert len(gen.top_ids) == len(gen.tokens) == len(gen.top_logprobs) == 6
+        for j, token in enumerate(gen.tokens):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + gen.tokens[:j]])).logits[0, -1]
+            values, ids = torch.log_softmax(logits.float(), -1).topk(k)
+            assert gen.top_ids[j][0] == token
+            assert gen.top_ids[j] == ids.tolist()
+            assert gen.top_logprobs[j] == pytest.approx(values.tolist(), abs=1e-4)
+    plain = dict(iter_greedy(model, prompts, 6, stop_at_eos=False, kv_cache="static"))
+    assert all(plain[i].top_ids is None and plain[i].tokens == batched[i].tokens for i in range(3))
+    with pytest.raises(ValueError, match="slot engine"):
+        list(iter_greedy(model, prompts, 6, top_logprobs=k, kv_cache="dynamic"))

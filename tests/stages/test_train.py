@@ -284,3 +284,91 @@ def test_qat_training_scores_the_model_that_packing_will_produce(tiny_traces, ti
     # What training selected and scored is exactly what the packed file computes.
     assert simulated_acceptance(packed, heldout, 16, 0).mean_accepted_pooled == meta["best"]["sim_accept"]
     assert heldout_loss(packed, heldout, 0) == pytest.approx(meta["best"]["heldout_loss"], rel=1e-5)
+
+
+# ------------------------------------------------------------------------ distillation from stored top-K
+
+def _stored_batch(teacher_logits: torch.Tensor, k: int, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """As collate lays it out: the distribution that predicts the token at position t is stored at t (the
+    teacher's logits at t - 1)."""
+    values, ids = torch.log_softmax(teacher_logits, -1).topk(k, -1)
+    values, ids = torch.roll(values, 1, dims=1), torch.roll(ids, 1, dims=1)
+    return {"labels": labels, "top_ids": ids, "top_logprobs": values, "top_mask": labels != -100}
+
+
+def test_stored_kd_over_the_whole_vocabulary_is_the_full_kl():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 5, 7), torch.randn(2, 5, 7)
+    labels = torch.tensor([[-100, -100, 3, 1, 4], [-100, 2, 2, 5, 0]])
+    for t in (1.0, 2.0):
+        full, parts_full = train_stage.distill_loss(student, labels, teacher, 0.5, t)
+        stored, parts = train_stage.stored_kd_loss(student, _stored_batch(teacher, 7, labels), 0.5, t)
+        assert float(stored) == pytest.approx(float(full), rel=1e-5)
+        assert parts["kl"] == pytest.approx(parts_full["kl"], rel=1e-5)
+
+
+def test_stored_kd_with_top_k_renormalises_the_teachers_k_and_reads_the_draft_there():
+    torch.manual_seed(1)
+    student, teacher = torch.randn(1, 3, 9), torch.randn(1, 3, 9)
+    labels = torch.tensor([[-100, 4, 6]])
+    batch = _stored_batch(teacher, 3, labels)
+    batch["top_mask"][0, 2] = False  # the last position has no stored distribution: CE only
+    _, parts = train_stage.stored_kd_loss(student, batch, 1.0, 1.0)
+    # by hand: position 0 predicts token 1, the only one with a stored distribution (the teacher's at 0)
+    p = torch.softmax(batch["top_logprobs"][0, 1], -1)
+    q = torch.log_softmax(student[0, 0], -1)[batch["top_ids"][0, 1]]
+    assert parts["kl"] == pytest.approx(float((p * (p.log() - q)).sum()), rel=1e-5)
+    ce = torch.nn.functional.cross_entropy(student[0, :2], labels[0, 1:])
+    assert parts["ce"] == pytest.approx(float(ce), rel=1e-5)
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"top_ids": [[3, 1]], "top_logprobs": [[-0.1, -2.0]]}, "one list per completion token (2)"),
+    ({"top_ids": [[3, 1], [4, 4]], "top_logprobs": [[-0.1, -2.0], [-0.1, -3.0]]}, "top_ids[1] / top_logprobs[1]"),
+    ({"top_ids": [[3, 1], [4, 2]], "top_logprobs": [[-0.1, -2.0], [-3.0, -0.1]]}, "most likely first"),
+    ({"top_ids": [[3, 1], [4, 2]], "top_logprobs": [[0.5, -2.0], [-0.1, -3.0]]}, "<= 0"),
+    ({"top_ids": [[3, 1], [4, 2]]}, "fields 'top_ids' and 'top_logprobs'"),
+])
+def test_a_bad_stored_distribution_is_refused_with_its_line(tmp_path, fields, says):
+    path = tmp_path / "traces.jsonl"
+    path.write_text(json.dumps({"id": "a", "prompt_ids": [1, 2], "completion_ids": [3, 4], **fields}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(says)):
+        read_traces(path, 64)
+
+
+@pytest.fixture(scope="module")
+def tiny_traces_with_top_k(tmp_path_factory, tiny_target):
+    from specdraft.stages.traces import TracesConfig, run_traces
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    root = tmp_path_factory.mktemp("traces_topk")
+    rng = random.Random(0)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "source": "test", "prompt": " ".join(
+        rng.choice(["the", "fox", "code", "list", "sum", "robot", "Paris"]) for _ in range(rng.randrange(3, 12)))})
+        + "\n" for i in range(40)))
+    del model
+    run_traces(TracesConfig(target=str(tiny_target), prompts=prompts, out=root / "traces.jsonl", max_new_tokens=24,
+                            top_logprobs=8, device="cpu"))
+    return root / "traces.jsonl"
+
+
+def test_traces_keep_the_targets_top_k_and_training_distils_from_it(tiny_traces_with_top_k, tiny_target, tmp_path):
+    rows = [json.loads(line) for line in tiny_traces_with_top_k.read_text().splitlines()]
+    assert all(len(r["top_ids"]) == len(r["completion_ids"]) == len(r["top_logprobs"]) for r in rows)
+    assert all(ids[0] == tok and len(ids) == 8 for r in rows for ids, tok in zip(r["top_ids"], r["completion_ids"]))
+    examples = read_traces(tiny_traces_with_top_k, 64)
+    assert all(ex.top_ids is not None and len(ex.top_ids) == len(ex.completion) for ex in examples)
+    meta = run_train(_cfg(tiny_traces_with_top_k, tiny_target, tmp_path / "kd", kd_stored=True, kd_weight=0.5,
+                          epochs=4))
+    # random-model traces do not generalise across prompts: the mixed loss must fall on the training rows
+    assert meta["history"][-1]["train_loss"] < 0.8 * meta["history"][1]["train_loss"]
+    ce = run_train(_cfg(tiny_traces_with_top_k, tiny_target, tmp_path / "ce", epochs=4))
+    assert ce["history"][-1]["train_loss"] != meta["history"][-1]["train_loss"]  # the KL term took part
+    assert json.loads((tmp_path / "kd" / "train_meta.json").read_text())["config"]["kd_stored"] is True
+
+
+def test_kd_stored_needs_traces_that_kept_a_distribution(tiny_traces, tiny_target, tmp_path):
+    with pytest.raises(ValueError, match="--top-logprobs K"):
+        run_train(_cfg(tiny_traces, tiny_target, tmp_path / "x", kd_stored=True))
+    with pytest.raises(ValueError, match="choose one teacher"):
+        _cfg(tiny_traces, tiny_target, tmp_path / "y", kd_stored=True, kd=True)

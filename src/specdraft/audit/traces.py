@@ -41,6 +41,7 @@ def audit_traces(ctx: AuditContext) -> None:
     ctx.guard("trace ids", lambda: _ids(ctx))
     ctx.guard("prompt ids", lambda: _prompt_ids(ctx, summary))
     ctx.guard("finish reasons", lambda: _finish(ctx, summary))
+    ctx.guard("stored distribution", lambda: _stored_distribution(ctx, summary))
     ctx.guard("validation", lambda: _validation(ctx, summary))
 
 
@@ -206,6 +207,34 @@ def _finish(ctx: AuditContext, s: dict) -> None:
     ctx.add("finish reasons", "fail" if bad else "pass",
             f"{len(bad)} traces end inconsistently with their finish_reason" if bad else
             f"every trace ends at an EOS {sorted(eos)} or at max_new_tokens={max_new}", cites, bad)
+
+
+def _stored_distribution(ctx: AuditContext, s: dict) -> None:
+    """With ``top_logprobs`` K in the config, every row keeps K ids and log-probabilities per completion token,
+    the greedy token first (it is the argmax); without it, no row has them."""
+    if ctx.traces is None:
+        return
+    k = lookup(s, "config.top_logprobs") or 0
+    bad = []
+    for t in ctx.traces:
+        comp, ids, lps = t.get("completion_ids") or [], t.get("top_ids"), t.get("top_logprobs")
+        where = f"line {t['_line']}: id {t.get('id')!r}"
+        if not k:
+            if ids is not None or lps is not None:
+                bad.append(f"{where}: top_ids / top_logprobs without top_logprobs in the config")
+            continue
+        if not (isinstance(ids, list) and isinstance(lps, list) and len(ids) == len(lps) == len(comp)):
+            bad.append(f"{where}: not one top-{k} list per completion token")
+        elif any(len(i) != k or len(v) != k or not i or i[0] != tok for i, v, tok in zip(ids, lps, comp)):
+            bad.append(f"{where}: a position without {k} ids and log-probabilities, or whose most likely id is not "
+                       "the greedy token")
+    if not k and not bad:
+        return  # nothing stored, nothing to say
+    cites = [ctx.cite(ctx.paths.traces, "top_ids"), ctx.cite(ctx.paths.traces_summary, "config.top_logprobs")]
+    ctx.add("stored distribution", "fail" if bad else "pass",
+            f"{len(bad)} traces do not hold the declared top-{k} distribution" if bad else
+            f"every completion token has the target's top-{k} ids and log-probabilities, the greedy token first",
+            cites, bad)
 
 
 def _validation(ctx: AuditContext, s: dict) -> None:

@@ -148,6 +148,10 @@ class Example:
     # What the target says at each completion position. None for greedy traces, where it is the completion
     # itself; teacher-forced labels (`specdraft label`) differ from the (human-written) completion.
     targets: list[int] | None = None
+    # The target's K most likely ids and their log-probabilities at each completion position, when the traces
+    # kept them (``traces --top-logprobs K``): the distribution ``train --kd-stored`` distils from
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
     @property
     def completion(self) -> list[int]:
@@ -166,15 +170,40 @@ def read_traces(path: str | Path, max_seq_len: int) -> list[Example]:
         targets = token_ids(rec["target_ids"], where, "target_ids") if rec.get("target_ids") is not None else None
         if targets is not None and len(targets) != len(completion):
             raise RecordFileError(f"{where}: {len(targets)} target_ids for {len(completion)} completion ids")
+        top_ids, top_logprobs = _top_logprobs(rec, where, len(completion))
         if not completion:
             continue
         completion = completion[: max_seq_len - 1]
         prompt = prompt[-(max_seq_len - len(completion)):]
+        n = len(completion)
         examples.append(Example(str(rec["id"]), prompt + completion, len(prompt),
-                                None if targets is None else list(targets[: len(completion)])))
+                                None if targets is None else list(targets[:n]),
+                                None if top_ids is None else top_ids[:n],
+                                None if top_logprobs is None else top_logprobs[:n]))
     if not examples:
         raise RecordFileError(f"{path}: no usable traces")
     return examples
+
+
+def _top_logprobs(rec: Mapping[str, Any], where: str, positions: int
+                  ) -> tuple[list[list[int]] | None, list[list[float]] | None]:
+    """A row's ``top_ids`` / ``top_logprobs`` (both or neither): one list of K per completion position, ids
+    distinct, log-probabilities <= 0 and most likely first."""
+    ids, lps = rec.get("top_ids"), rec.get("top_logprobs")
+    if ids is None and lps is None:
+        return None, None
+    if not (isinstance(ids, list) and isinstance(lps, list) and len(ids) == len(lps) == positions):
+        raise RecordFileError(f"{where}: fields 'top_ids' and 'top_logprobs' need one list per completion token "
+                              f"({positions})")
+    k = len(ids[0]) if ids else 0
+    for j, (row_ids, row_lps) in enumerate(zip(ids, lps)):
+        token_ids(row_ids, where, f"top_ids[{j}]")
+        if not (len(row_ids) == len(row_lps) == k and k > 0 and len(set(row_ids)) == k and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x <= 0 for x in row_lps)
+                and all(a >= b for a, b in zip(row_lps, row_lps[1:]))):
+            raise RecordFileError(f"{where}: top_ids[{j}] / top_logprobs[{j}] must be {k} distinct ids with "
+                                  "log-probabilities <= 0, most likely first")
+    return [list(r) for r in ids], [[float(x) for x in r] for r in lps]
 
 
 # -------------------------------------------------------------------------------------- evaluation points

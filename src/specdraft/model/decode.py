@@ -43,6 +43,16 @@ DEFAULT_MAX_PADDING = 0.1  # most padding in a prefill group, as a fraction of i
 class Generation:
     tokens: list[int]
     finish_reason: str  # "eos" | "length"
+    # with ``top_logprobs=k``: at each generated position, the k most likely token ids (most likely first; the
+    # generated token is the first) and their log-probabilities under the full softmax
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+def top_logprobs_of(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The ``k`` most likely ids of each row of ``logits`` [n, V] and their float32 log-softmax values."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return ids.tolist(), values.tolist()
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -310,8 +320,11 @@ class SlotDecoder:
     """
 
     def __init__(self, model, slots: int, capacity: int, max_new_tokens: int, eos: set[int],
-                 pad_id: int | None = None, lean: bool = True, row_attention: bool = False):
+                 pad_id: int | None = None, lean: bool = True, row_attention: bool = False, top_logprobs: int = 0):
         self.model, self.max_new_tokens, self.eos = model, max_new_tokens, eos
+        # k > 0: each row also keeps the target's k most likely tokens and log-probabilities at every position it
+        # generates (the distribution traces store for distillation); computed from the logits the argmax uses
+        self.top_k = top_logprobs
         # decode steps through the written-out forward (bit-identical logits, less overhead) where it applies
         self.lean = lean_forward(model) if lean else None
         # attention row by row on each row's own columns, as alone (CPU attention rounds differently with other
@@ -328,6 +341,7 @@ class SlotDecoder:
         self.chunked: tuple[int, int] | None = None  # (caller index, slot) of the prompt prefilled in pieces
         self.index: list[int] = []  # caller's index of each live row
         self.tokens: list[list[int]] = []  # generated so far, per live row
+        self.tops: list[tuple[list[list[int]], list[list[float]]]] = []  # (top ids, top logprobs) per live row
         self.start = torch.zeros(slots, dtype=torch.long, device=self.device)  # first real column
         self.end = torch.zeros(slots, dtype=torch.long, device=self.device)  # next write column
         self.position = torch.zeros(slots, dtype=torch.long, device=self.device)  # next position id
@@ -369,6 +383,7 @@ class SlotDecoder:
                          **cache_kwargs(self.model, self.cache))
         self.cache.end_forward()
         first = out.logits[:, -1, :].argmax(-1)  # [m]
+        tops = self._tops(out.logits[:, -1, :])
         lengths = mask.sum(-1)
         rows = slice(r0, r0 + m)
         self.start[rows] = width - lengths
@@ -377,8 +392,9 @@ class SlotDecoder:
         self.last[rows] = first
         self.index.extend(indices)
         self.tokens.extend([] for _ in range(m))
+        self.tops.extend(([], []) for _ in range(m))
         self.n += m
-        return self._record(first.tolist(), range(r0, r0 + m))
+        return self._record(first.tolist(), range(r0, r0 + m), tops)
 
     @torch.inference_mode()
     def prefill_chunk(self, index: int, prompt: Sequence[int], start: int, size: int) -> list[tuple[int, Generation]]:
@@ -416,8 +432,9 @@ class SlotDecoder:
         self.start[r], self.end[r], self.position[r], self.last[r] = 0, total, total, first[0]
         self.index.append(index)
         self.tokens.append([])
+        self.tops.append(([], []))
         self.n += 1
-        return self._record(first.tolist(), [r])
+        return self._record(first.tolist(), [r], self._tops(out.logits[:, -1, :]))
 
     @torch.inference_mode()
     def release(self, indices: Iterable[int]) -> None:
@@ -453,20 +470,29 @@ class SlotDecoder:
         self.end[:n] += 1
         self.position[:n] += 1
         self.last[:n] = nxt
-        return self._record(nxt.tolist(), range(n))
+        return self._record(nxt.tolist(), range(n), self._tops(logits[:, -1, :]))
 
-    def _record(self, new_tokens: list[int], rows: Iterable[int]) -> list[tuple[int, Generation]]:
+    def _tops(self, logits: torch.Tensor) -> tuple[list[list[int]], list[list[float]]] | None:
+        return top_logprobs_of(logits, self.top_k) if self.top_k else None
+
+    def _record(self, new_tokens: list[int], rows: Iterable[int],
+                tops: tuple[list[list[int]], list[list[float]]] | None = None) -> list[tuple[int, Generation]]:
         finished: list[tuple[int, Generation]] = []
         done: list[int] = []
-        for row, tok in zip(rows, new_tokens):
+        for i, (row, tok) in enumerate(zip(rows, new_tokens)):
             toks = self.tokens[row]
             toks.append(tok)
+            if tops is not None:
+                self.tops[row][0].append(tops[0][i])
+                self.tops[row][1].append(tops[1][i])
             if tok in self.eos:
-                finished.append((self.index[row], Generation(toks, "eos")))
+                reason = "eos"
             elif len(toks) >= self.max_new_tokens:
-                finished.append((self.index[row], Generation(toks, "length")))
+                reason = "length"
             else:
                 continue
+            top_ids, top_lps = self.tops[row] if tops is not None else (None, None)
+            finished.append((self.index[row], Generation(toks, reason, top_ids, top_lps)))
             done.append(row)
         if done:
             self._release(done)
@@ -488,8 +514,10 @@ class SlotDecoder:
             for r_src, r_dst in zip(movers, holes):
                 self.index[r_dst] = self.index[r_src]
                 self.tokens[r_dst] = self.tokens[r_src]
+                self.tops[r_dst] = self.tops[r_src]
         del self.index[keep_n:]
         del self.tokens[keep_n:]
+        del self.tops[keep_n:]
         self.n = keep_n
 
 
@@ -498,7 +526,7 @@ def iter_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                 batch_size: int | None = None, eos_ids: Iterable[int] | None = None, stop_at_eos: bool = True,
                 order: Sequence[int] | None = None, kv_cache: KVCache = "auto", refill_min: int = 1,
                 prefill_tokens: int = DEFAULT_PREFILL_TOKENS, max_padding: float = DEFAULT_MAX_PADDING,
-                lean: bool = True, exact_rows: bool = False) -> Iterator[tuple[int, Generation]]:
+                lean: bool = True, exact_rows: bool = False, top_logprobs: int = 0) -> Iterator[tuple[int, Generation]]:
     """Greedy continuation of every prompt, yielded as ``(index, Generation)`` the moment a row finishes.
 
     At most ``batch_size`` rows decode together (all prompts when None). Prompts enter in ``order``
@@ -510,6 +538,8 @@ def iter_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     (same logits, less overhead; False: always the model's own forward). ``exact_rows`` makes every row get
     the logits it gets alone, bit for bit, on the lean path with int4 weights: prompts of different lengths are
     prefilled apart (``max_padding`` 0) and decode steps attend row by row (one attention call per row).
+    ``top_logprobs`` k > 0 adds the k most likely tokens and their log-probabilities at every generated position
+    to each Generation (slot engine only).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
@@ -528,6 +558,8 @@ def iter_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     if kv_cache == "auto":
         kv_cache = "static" if supports_slot_cache(model) else "dynamic"
     if kv_cache == "dynamic":
+        if top_logprobs:
+            raise ValueError("top_logprobs needs the slot engine (models with full attention in every layer)")
         for s in range(0, n, batch_size):
             group = order[s:s + batch_size]
             yield from zip(group, _greedy_dynamic(model, [prompts[i] for i in group], max_new_tokens, eos))
@@ -538,7 +570,8 @@ def iter_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     capacity = max(len(p) for p in prompts) + max_new_tokens
     if exact_rows:
         max_padding = 0.0
-    decoder = SlotDecoder(model, slots, capacity, max_new_tokens, eos, lean=lean, row_attention=exact_rows)
+    decoder = SlotDecoder(model, slots, capacity, max_new_tokens, eos, lean=lean, row_attention=exact_rows,
+                          top_logprobs=top_logprobs)
     waiting = deque(order)
     refill_min = max(1, min(refill_min, slots))
     while waiting or decoder.n:

@@ -1,7 +1,9 @@
 """`specdraft traces` and `specdraft validation`: the target's greedy continuations, written resumably.
 
 traces      prompts.jsonl -> traces.jsonl, one line per prompt:
-            {"id", "source", "prompt_ids", "completion_ids", "finish_reason": "eos" | "length"}
+            {"id", "source", "prompt_ids", "completion_ids", "finish_reason": "eos" | "length"}, and with
+            ``--top-logprobs K`` the target's K most likely ids and log-probabilities at every completion
+            position ("top_ids", "top_logprobs": one list of K per completion token, the token itself first)
             + traces.summary.json (target source, prompts sha256, counts, tokens/s, config, versions,
             sha256 of traces.jsonl) + traces.log.
 validation  held-out prompts (MT-bench ``turns[0]``, or prompts.jsonl) -> evaluation points, one line each:
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from specdraft.core.config import StageConfig
 from specdraft.core.io import (
@@ -79,6 +81,9 @@ log = logging.getLogger(__name__)
 
 Backend = Literal["hf", "vllm"]
 FINISH_REASONS = ("eos", "length")
+# stored log-probabilities are rounded: 1e-4 nats is far below what a draft's training resolves, and each
+# position's K values are most of a row's bytes
+LOGPROB_DECIMALS = 4
 
 
 # ----------------------------------------------------------------------------------------------- configs
@@ -103,6 +108,17 @@ class TracesConfig(_DecodeFields):
     max_new_tokens: int = Field(256, ge=1, description="tokens generated per prompt at most (stop at EOS)")
     shard: str = Field("0/1", description="i/n: decode only prompts i, i+n, i+2n, ... (after --limit); run one "
                                           "process per shard (data parallel), each with its own --out")
+    top_logprobs: int = Field(0, ge=0, le=64, description="keep the target's K most likely tokens and their "
+                                                          "log-probabilities at every completion position (fields "
+                                                          "top_ids, top_logprobs; `train --kd-stored` distils from "
+                                                          "them); 0: tokens only. hf backend")
+
+    @model_validator(mode="after")
+    def _top_logprobs_backend(self) -> "TracesConfig":
+        if self.top_logprobs and self.backend != "hf":
+            raise ValueError("top_logprobs: the hf backend only (vLLM's per-token logprobs are not wired into "
+                             "the records yet)")
+        return self
 
     @field_validator("shard")
     @classmethod
@@ -150,9 +166,11 @@ class HFBackend:
         return {"backend": self.name, "device": self.device, "dtype": str(next(self.model.parameters()).dtype),
                 "batch_size": self.batch_size, "torch_threads": torch.get_num_threads()}
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[tuple[int, Generation]]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 top_logprobs: int = 0) -> Iterator[tuple[int, Generation]]:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        yield from iter_greedy(self.model, prompts, max_new_tokens, batch_size=self.batch_size, order=order)
+        yield from iter_greedy(self.model, prompts, max_new_tokens, batch_size=self.batch_size, order=order,
+                               top_logprobs=top_logprobs)
 
 
 class VLLMBackend:
@@ -303,10 +321,16 @@ def _run_traces(cfg: TracesConfig, out: Path, summary_path: Path, log_path: Path
                  backend.name, len(todo), sum(map(len, ids)), cfg.max_new_tokens, cfg.batch_size)
         progress = Progress(len(todo), "traces")
         with open(out, "a", encoding="utf-8") as f:
-            for i, gen in backend.generate(ids, cfg.max_new_tokens):
+            generated = (backend.generate(ids, cfg.max_new_tokens, top_logprobs=cfg.top_logprobs)
+                         if cfg.top_logprobs else backend.generate(ids, cfg.max_new_tokens))
+            for i, gen in generated:
                 rec = todo[i]
-                f.write(jsonl_line({"id": rec.id, "source": rec.source, "prompt_ids": ids[i],
-                                     "completion_ids": gen.tokens, "finish_reason": gen.finish_reason}) + "\n")
+                row = {"id": rec.id, "source": rec.source, "prompt_ids": ids[i], "completion_ids": gen.tokens,
+                       "finish_reason": gen.finish_reason}
+                if cfg.top_logprobs:
+                    row["top_ids"] = gen.top_ids
+                    row["top_logprobs"] = [[round(x, LOGPROB_DECIMALS) for x in pos] for pos in gen.top_logprobs]
+                f.write(jsonl_line(row) + "\n")
                 f.flush()
                 progress.update(len(ids[i]), len(gen.tokens))
             os.fsync(f.fileno())

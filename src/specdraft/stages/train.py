@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from pydantic import Field
+from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
 from specdraft.core.config import StageConfig
@@ -63,6 +63,12 @@ log = logging.getLogger(__name__)
 
 
 class TrainConfig(StageConfig):
+    @model_validator(mode="after")
+    def _one_kd(self) -> "TrainConfig":
+        if self.kd and self.kd_stored:
+            raise ValueError("kd and kd_stored: choose one teacher (the target's logits, or the traces' top-K)")
+        return self
+
     traces: str = Field(description="traces.jsonl written by `specdraft traces`")
     labels: Optional[str] = Field(None, description="labels.jsonl from `specdraft label` (the target's argmax on "
                                                     "reference answers), trained on together with the traces")
@@ -84,7 +90,10 @@ class TrainConfig(StageConfig):
     clip_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
     max_seq_len: int = Field(1024, gt=8, description="longer traces are cut from the left of the prompt")
     kd: bool = Field(False, description="add KL to the target's logits (target loaded alongside)")
-    kd_weight: float = Field(0.5, ge=0, le=1, description="loss = (1-w)*CE + w*KL when kd is on")
+    kd_stored: bool = Field(False, description="add KL to the target's top-K distribution stored in the traces "
+                                               "(`traces --top-logprobs K`): distillation without a teacher "
+                                               "forward; positions without one (labels) get CE alone")
+    kd_weight: float = Field(0.5, ge=0, le=1, description="loss = (1-w)*CE + w*KL when kd or kd_stored is on")
     kd_temperature: float = Field(1.0, gt=0, description="softmax temperature for the KL term")
     train_embeddings: bool = Field(False, description="also train the (tied) embedding / lm_head")
     qat_group_size: Optional[int] = Field(
@@ -196,6 +205,9 @@ def load_data(cfg: TrainConfig, target_spec: str, vocab_size: int) -> TrainData:
         if labels_target and labels_target != target_spec:
             raise ValueError(f"{cfg.labels} was labelled by {labels_target}, not by the target {target_spec}")
     train = train + labelled  # never held out: held-out points are greedy traces
+    if cfg.kd_stored and not any(ex.top_ids for ex in train):
+        raise ValueError(f"{cfg.traces}: kd_stored needs the target's stored top-K distribution, and no trace "
+                         "has one; write the traces with `specdraft traces --top-logprobs K`")
     if not train:
         raise ValueError(f"{cfg.traces}: no traces left for training after the held-out split")
     return TrainData(traces=traces, train=train, heldout=heldout[: cfg.heldout_max], labelled=labelled)
@@ -203,7 +215,8 @@ def load_data(cfg: TrainConfig, target_spec: str, vocab_size: int) -> TrainData:
 
 def _read_examples(path: str, max_seq_len: int, vocab_size: int) -> list[Example]:
     examples = read_traces(path, max_seq_len)
-    max_id = max(max(max(ex.input_ids), max(ex.targets or [0])) for ex in examples)
+    max_id = max(max(max(ex.input_ids), max(ex.targets or [0]), max(map(max, ex.top_ids or [[0]])))
+                 for ex in examples)
     if max_id >= vocab_size:
         raise ValueError(f"{path} uses token id {max_id} but the draft's vocab has {vocab_size}")
     return examples
@@ -286,19 +299,32 @@ def micro_batches(train: list[Example], cfg: TrainConfig, world: int, rank: int)
             yield batches[i]
 
 
-def collate(examples: Sequence[Example], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Right-padded ids, mask and labels (-100 on prompt and padding)."""
+def collate(examples: Sequence[Example], pad_id: int, device, top_logprobs: bool = False) -> dict[str, torch.Tensor]:
+    """Right-padded ids, mask and labels (-100 on prompt and padding); with ``top_logprobs``, the stored top-K
+    ids and log-probabilities at the completion positions that have them (``top_mask``)."""
     width = max(len(ex.input_ids) for ex in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)  # [B, T]
     mask = torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
+    k = max((len(ex.top_ids[0]) for ex in examples if ex.top_ids), default=0) if top_logprobs else 0
+    top_ids = torch.zeros((len(examples), width, k), dtype=torch.long)  # [B, T, K]
+    top_lps = torch.full((len(examples), width, k), -math.inf)  # [B, T, K]: -inf where a row keeps fewer
+    top_mask = torch.zeros((len(examples), width), dtype=torch.bool)  # [B, T]
     for row, ex in enumerate(examples):
         n = len(ex.input_ids)
         ids[row, :n] = torch.tensor(ex.input_ids)
         mask[row, :n] = 1
         labels[row, ex.prompt_len:n] = (ids[row, ex.prompt_len:n] if ex.targets is None
                                         else torch.tensor(ex.targets, dtype=torch.long))
-    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+        if k and ex.top_ids:
+            kk = len(ex.top_ids[0])
+            top_ids[row, ex.prompt_len:n, :kk] = torch.tensor(ex.top_ids, dtype=torch.long)
+            top_lps[row, ex.prompt_len:n, :kk] = torch.tensor(ex.top_logprobs, dtype=torch.float32)
+            top_mask[row, ex.prompt_len:n] = True
+    batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+    if k:
+        batch.update(top_ids=top_ids.to(device), top_logprobs=top_lps.to(device), top_mask=top_mask.to(device))
+    return batch
 
 
 # ------------------------------------------------------------------------------------------- step
@@ -318,6 +344,29 @@ def distill_loss(logits: torch.Tensor, labels: torch.Tensor, teacher_logits: tor
     t = temperature
     kl = F.kl_div(F.log_softmax(student.float() / t, -1), F.log_softmax(teacher / t, -1),
                   log_target=True, reduction="batchmean") * (t * t)
+    parts["kl"] = float(kl.detach())
+    return (1 - kd_weight) * ce + kd_weight * kl, parts
+
+
+def stored_kd_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], kd_weight: float,
+                   temperature: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """CE on the target's next tokens mixed with KL(p || q) to the target's stored top-K distribution: p is the
+    stored log-probabilities at the temperature, renormalised over the K ids; q is the draft's full softmax at the
+    same temperature, read at those ids (so mass the draft puts elsewhere is penalised too). Positions without a
+    stored distribution count in the CE only."""
+    shift_logits, shift_labels = logits[:, :-1, :], batch["labels"][:, 1:]  # [B, T-1, V], [B, T-1]
+    keep = shift_labels != -100
+    ce = F.cross_entropy(shift_logits[keep].float(), shift_labels[keep])
+    parts = {"ce": float(ce.detach())}
+    stored = keep & batch["top_mask"][:, 1:]  # [B, T-1]
+    if not bool(stored.any()):
+        return ce, parts
+    t = temperature
+    student = F.log_softmax(shift_logits[stored].float() / t, dim=-1)  # [N, V]
+    teacher = F.log_softmax(batch["top_logprobs"][:, 1:][stored] / t, dim=-1)  # [N, K], -inf where a row has < K
+    drafted = student.gather(-1, batch["top_ids"][:, 1:][stored])  # [N, K]
+    p = teacher.exp()
+    kl = (p * (teacher - drafted)).nan_to_num(0.0).sum(-1).mean() * (t * t)  # 0 * (-inf) terms dropped
     parts["kl"] = float(kl.detach())
     return (1 - kd_weight) * ce + kd_weight * kl, parts
 
@@ -342,7 +391,10 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], step: int) -> float:
             with torch.no_grad():
                 teacher_logits = run.teacher(input_ids=batch["input_ids"],
                                              attention_mask=batch["attention_mask"]).logits  # [B, T, V]
-        loss, _ = distill_loss(logits, batch["labels"], teacher_logits, cfg.kd_weight, cfg.kd_temperature)
+        if cfg.kd_stored:
+            loss, _ = stored_kd_loss(logits, batch, cfg.kd_weight, cfg.kd_temperature)
+        else:
+            loss, _ = distill_loss(logits, batch["labels"], teacher_logits, cfg.kd_weight, cfg.kd_temperature)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             accelerator.clip_grad_norm_(run.params, cfg.clip_norm)
@@ -528,7 +580,7 @@ def train_loop(run: Run, data: TrainData, state: TrainState) -> int:
     for batch_idx in itertools.islice(batches, state.step * cfg.grad_accum, None):
         if state.step >= run.total_steps:
             break
-        batch = collate([data.train[i] for i in batch_idx], run.pad_id, accelerator.device)
+        batch = collate([data.train[i] for i in batch_idx], run.pad_id, accelerator.device, cfg.kd_stored)
         running.append(train_step(run, batch, state.step))
         tokens_seen += int((batch["labels"] != -100).sum())
         if not accelerator.sync_gradients:
@@ -570,7 +622,7 @@ def run_train(cfg: TrainConfig) -> dict:
         state = load_resume_state(run)
         log.info("train: %d examples (%d teacher-forced), %d held out, %d steps, init %s, target %s, kd=%s, "
                  "resume from step %d", len(data.train), len(data.labelled), len(data.heldout), total_steps,
-                 cfg.init, target_spec, cfg.kd, state.step)
+                 cfg.init, target_spec, "stored top-K" if cfg.kd_stored else cfg.kd, state.step)
         if state.step == 0 and not state.history:  # score the init, the first best: training must beat it
             state.history.append(evaluate(run, data.heldout, step=0, train_loss=None))
             state.best = save_checkpoint(run, state.history[-1], state.best)
