@@ -134,3 +134,29 @@ def test_train_with_labels_records_them_and_keeps_them_out_of_the_held_out_set(t
     assert meta["traces"]["train"] == meta["traces"]["count"] - meta["traces"]["heldout"]
     with pytest.raises(ValueError, match="held-out examples must be greedy traces"):
         run_train(TrainConfig(**{**cfg.model_dump(), "heldout_traces": str(labels), "out": str(tmp_path / "c2")}))
+
+
+def test_on_policy_labels_are_the_drafts_continuations_with_the_targets_argmax(tiny_qwen3_dir, tmp_path):
+    """--answers-from: every prompt (with a response or not) continued by the draft, labelled by the target."""
+    from specdraft.model.decode import naive_greedy
+    from specdraft.model.tiny import build_tiny_model
+    draft_dir = build_tiny_model(tmp_path / "draft", "qwen3", layers=1, seed=7)
+    prompts = _prompts(tmp_path / "prompts.jsonl")
+    out = tmp_path / "labels" / "labels.jsonl"
+    run_label(LabelConfig(target=str(tiny_qwen3_dir), prompts=str(prompts), out=str(out), answers_from=str(draft_dir),
+                          max_new_tokens=6, min_answer_tokens=1, device="cpu"))
+    rows = _rows(out)
+    assert sorted(r["id"] for r in rows) == sorted(f"p{i}" for i in range(12))
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir).eval()
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
+    for r in rows:
+        assert r["completion_ids"] == naive_greedy(draft, r["prompt_ids"], 6).tokens
+        with torch.no_grad():
+            logits = target(torch.tensor([r["prompt_ids"] + r["completion_ids"]])).logits[0]
+        assert r["target_ids"] == logits[len(r["prompt_ids"]) - 1:-1].argmax(-1).tolist()
+    assert any(r["target_ids"] != r["completion_ids"] for r in rows)  # a random draft is not the target
+    # rows of another draft (or length) are not mixed in on a rerun
+    other = build_tiny_model(tmp_path / "other", "qwen3", layers=1, seed=8)
+    with pytest.raises(ValueError, match="different settings .'answers_from'"):
+        run_label(LabelConfig(target=str(tiny_qwen3_dir), prompts=str(prompts), out=str(out),
+                              answers_from=str(other), max_new_tokens=6, min_answer_tokens=1, device="cpu"))

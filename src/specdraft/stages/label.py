@@ -9,6 +9,9 @@ target say next after this context" on human-written contexts, next to the trace
 Traces stay the core signal; these labels add volume (BENCHMARKS.md has both the cost per token and what each
 adds to acceptance).
 
+``--answers-from DRAFT_DIR`` labels the draft's own greedy continuations of the prompts instead (on-policy data,
+as DistillSpec trains on): the contexts the draft will meet when it drafts, with what the target says next.
+
 Output rows (traces-compatible, so `specdraft train --labels` reads them alongside traces):
 ``{"id", "source", "prompt_ids", "completion_ids": the reference answer's tokens (+ EOS), "target_ids":
 the target's argmax at each of those positions}``; ``labels.summary.json`` and ``labels.log`` beside it.
@@ -37,11 +40,20 @@ from specdraft.core.io import (
     sha256_file,
 )
 from specdraft.core.provenance import run_metadata, stage_log
-from specdraft.core.records import read_answers
+from specdraft.core.records import read_answers, read_prompts
 from specdraft.core.stage import LABEL_FIELDS, Progress, StageResult, check_resume, peak_rss_mb, row_ids, side_paths
 from specdraft.model.chat import encode_prompts, has_chat_template
+from specdraft.model.decode import iter_greedy
 from specdraft.model.device import DEVICE_HELP, resolve_device
-from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_model, load_tokenizer, tokenizer_fingerprint
+from specdraft.model.loader import load_draft, packed_weight_file
+from specdraft.model.specs import (
+    DEFAULT_TARGET,
+    describe_source,
+    load_model,
+    load_tokenizer,
+    tokenizer_fingerprint,
+    weights_sha256,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +69,11 @@ class LabelConfig(StageConfig):
     batch_tokens: int = Field(8192, ge=64, description="padded tokens per forward pass")
     device: str = Field("auto", description=DEVICE_HELP)
     threads: Optional[int] = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+    answers_from: Optional[str] = Field(
+        None, description="label a draft's own greedy continuations of the prompts instead of their reference "
+                          "answers (on-policy data, as DistillSpec): a draft model dir, packed or HF; every prompt "
+                          "is used, with a response or not")
+    max_new_tokens: int = Field(64, ge=1, description="--answers-from: tokens the draft continues each prompt by")
 
 
 def run_label(cfg: LabelConfig) -> StageResult:
@@ -123,9 +140,25 @@ def _batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+def _prompt_rows(cfg: LabelConfig) -> tuple[list[dict[str, Any]], int]:
+    """Every prompt (first ``limit``) for on-policy labels; else the rows with a reference answer."""
+    if not cfg.answers_from:
+        return read_answers(cfg.prompts, cfg.limit)
+    records = read_prompts(cfg.prompts)
+    return [{"id": r.id, "source": r.source, "prompt": r.text} for r in records][: cfg.limit], len(records)
+
+
+def _draft_answers(cfg: LabelConfig, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """The draft's greedy continuation of each templated prompt (its own EOS ends one), cut to fit max_seq_len."""
+    draft, _ = load_draft(cfg.answers_from, "float32", device=resolve_device(cfg.device))
+    order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
+    gens = dict(iter_greedy(draft, prompt_ids, cfg.max_new_tokens, batch_size=32, order=order))
+    return [gens[i].tokens[: max(0, cfg.max_seq_len - len(p))] for i, p in enumerate(prompt_ids)]
+
+
 def _run_label(cfg: LabelConfig, out: Path, summary_path: Path, log_path: Path) -> StageResult:
     started = time.time()
-    rows, total_in_file = read_answers(cfg.prompts, cfg.limit)
+    rows, total_in_file = _prompt_rows(cfg)
     if not rows:  # an empty labels file would pass for a finished run
         raise RecordFileError(f"prompts file {cfg.prompts}: no row with a reference answer ('response') among "
                           f"{total_in_file}; label needs answers to teacher-force (the data stage keeps them)")
@@ -137,6 +170,9 @@ def _run_label(cfg: LabelConfig, out: Path, summary_path: Path, log_path: Path) 
     template = has_chat_template(tokenizer)
     key = {"target_weights_sha256": target.get("weights_sha256"), "target_gguf_sha256": target.get("gguf_sha256"),
            "chat_template": template, "tokenizer": tokenizer_fingerprint(tokenizer), "max_seq_len": cfg.max_seq_len}
+    if cfg.answers_from:  # whose continuations, and how long: rows from another draft must not mix in
+        key["answers_from"] = {"weights_sha256": weights_sha256(cfg.answers_from) or sha256_file(
+            packed_weight_file(cfg.answers_from)), "max_new_tokens": cfg.max_new_tokens}
     check_resume(summary_path, out, key, len(done))
     todo = [r for r in rows if str(r["id"]) not in done]
     base = {"stage": "label", "target": target,
@@ -151,9 +187,10 @@ def _run_label(cfg: LabelConfig, out: Path, summary_path: Path, log_path: Path) 
     this_run: dict[str, Any] = {"prompts": 0, "skipped_short": 0}
     if todo:
         prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in todo])
+        drafted = _draft_answers(cfg, prompt_ids) if cfg.answers_from else None
         keep, sequences, prompt_lens = [], [], []
-        for rec, p in zip(todo, prompt_ids):
-            answer = answer_ids(tokenizer, p, rec["response"], cfg.max_seq_len)
+        for i, (rec, p) in enumerate(zip(todo, prompt_ids)):
+            answer = drafted[i] if drafted is not None else answer_ids(tokenizer, p, rec["response"], cfg.max_seq_len)
             if not p or len(answer) < cfg.min_answer_tokens:  # prompt too long for max_seq_len, or no answer
                 this_run["skipped_short"] += 1
                 continue

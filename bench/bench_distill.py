@@ -1,0 +1,107 @@
+"""Offline distillation from the target's stored top-K against today's recipe (cross-entropy on the target's
+tokens), side by side on one machine (issue 33, items 1-2).
+
+From a demo run dir (its prompts and validation points, `specdraft demo`), for each variant: the traces (the
+same prompts; with ``--top-logprobs K`` for the distilling variants), training from the same init with the demo
+budget's recipe, the pack, and acceptance of the packed draft on the run's validation points (in process, int4,
+as the server computes). Reports each stage's wall time, the traces' bytes, and acceptance.
+
+    python bench/bench_distill.py --run-dir runs/demo --out bench/out/distill.json --budget small \
+        --variants ce kd16 --kd-weight 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from specdraft.core.io import atomic_write_json, read_json
+from specdraft.demo import BUDGETS, DemoConfig, draft_start
+from specdraft.stages.evaluate import EvalConfig, run_eval
+from specdraft.stages.label import LabelConfig, run_label
+from specdraft.stages.pack import PackConfig, run_pack
+from specdraft.stages.traces import TracesConfig, run_traces
+from specdraft.stages.train import TrainConfig, run_train
+
+
+def variant_settings(name: str) -> tuple[int, bool, bool]:
+    """(top_logprobs, kd_stored, on_policy) of a variant name: ``ce`` (today's recipe) or ``kdK`` (stored top-K),
+    with ``-op`` for on-policy labels added (the init draft's continuations of the traced prompts, labelled by the
+    target: `specdraft label --answers-from RUN_DIR/init`)."""
+    base, on_policy = (name[:-3], True) if name.endswith("-op") else (name, False)
+    if base == "ce":
+        return 0, False, on_policy
+    if base.startswith("kd") and base[2:].isdigit():
+        return int(base[2:]), True, on_policy
+    raise ValueError(f"variant {name!r}: ce or kdK (e.g. kd16), optionally with -op")
+
+
+def run_variant(name: str, args, work: Path) -> dict[str, Any]:
+    top_k, kd, on_policy = variant_settings(name)
+    budget = BUDGETS[args.budget]
+    init, frozen = draft_start(DemoConfig(), budget)
+    out: dict[str, Any] = {"variant": name, "top_logprobs": top_k, "kd_stored": kd, "kd_weight": args.kd_weight,
+                           "on_policy": on_policy}
+    run_name = name + args.tag
+    traces = work / f"traces_top{top_k}" / "traces.jsonl"
+    if not traces.is_file():
+        run_traces(TracesConfig(prompts=args.run_dir / "prompts" / "prompts.jsonl", out=traces,
+                                max_new_tokens=budget.trace_tokens, limit=budget.trace_prompts, top_logprobs=top_k))
+    summary = read_json(traces.with_name("traces.summary.json"))
+    out["traces"] = {"seconds": summary["this_run"].get("wall_s"), "bytes": traces.stat().st_size,
+                     "completion_tokens": summary["completion_tokens"],
+                     "tokens_per_s": summary["this_run"].get("completion_tokens_per_s")}
+    labels = work / "labels_on_policy" / "labels.jsonl"
+    if on_policy:
+        t = time.time()
+        if not labels.is_file():
+            run_label(LabelConfig(prompts=str(args.run_dir / "prompts" / "prompts.jsonl"), out=str(labels),
+                                  answers_from=str(args.run_dir / "init"), max_new_tokens=budget.trace_tokens,
+                                  limit=budget.trace_prompts, min_answer_tokens=1, threads=args.threads))
+        out["labels"] = {"seconds": read_json(labels.with_name("labels.summary.json"))["wall_s"],
+                         "bytes": labels.stat().st_size}
+    pack_cfg = PackConfig(checkpoint=str(work / run_name / "draft"), out=str(work / run_name / "model"),
+                          overwrite=True)
+    t = time.time()
+    meta = run_train(TrainConfig(traces=str(traces), init=init, out=str(work / run_name / "draft"),
+                                 epochs=budget.epochs, lr=budget.lr, freeze_layers=frozen, threads=args.threads,
+                                 kd_stored=kd, kd_weight=args.kd_weight, seed=args.seed,
+                                 labels=str(labels) if on_policy else None,
+                                 qat_group_size=pack_cfg.group_size if budget.qat else None))
+    out["train"] = {"seconds": round(time.time() - t, 1), "steps": meta.get("steps"), "best": meta.get("best")}
+    run_pack(pack_cfg)
+    t = time.time()
+    run_eval(EvalConfig(validation=args.run_dir / "validation" / "validation.jsonl", model_dir=Path(pack_cfg.out),
+                        compute="int4", out=work / run_name / "eval", threads=args.threads))
+    report = read_json(work / run_name / "eval" / "report.json")
+    out["acceptance"] = {"pooled": report["mean_accepted_pooled"], "per_prompt": report["mean_accepted_per_prompt"],
+                         "points": report["points"]}
+    out["eval_seconds"] = round(time.time() - t, 1)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run-dir", type=Path, required=True, help="a `specdraft demo` run dir (prompts, validation)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work-dir", type=Path, default=None, help="default: OUT without .json")
+    ap.add_argument("--budget", default="small", choices=sorted(BUDGETS))
+    ap.add_argument("--variants", nargs="+", default=["ce", "kd16"])
+    ap.add_argument("--kd-weight", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tag", default="", help="suffix of the variants' dirs (the traces are shared per K)")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    work = args.work_dir or args.out.with_suffix("")
+    results = {"config": {k: str(v) for k, v in vars(args).items()}, "variants": []}
+    for name in args.variants:
+        results["variants"].append(run_variant(name, args, work))
+        atomic_write_json(args.out, results)
+        print(json.dumps(results["variants"][-1], indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
