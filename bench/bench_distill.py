@@ -46,10 +46,15 @@ def run_variant(name: str, args, work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"variant": name, "top_logprobs": top_k, "kd_stored": kd, "kd_weight": args.kd_weight,
                            "on_policy": on_policy}
     run_name = name + args.tag
-    traces = work / f"traces_top{top_k}" / "traces.jsonl"
+    # --traces-top K: every variant reads one traces file written with K (the tokens are the same; ce ignores
+    # the stored distribution), which halves the traces' cost of a comparison
+    written_k = args.traces_top if args.traces_top is not None else top_k
+    if written_k < top_k:
+        raise ValueError(f"variant {name}: needs traces with top-{top_k}, --traces-top is {written_k}")
+    traces = work / f"traces_top{written_k}" / "traces.jsonl"
     if not traces.is_file():
         run_traces(TracesConfig(prompts=args.run_dir / "prompts" / "prompts.jsonl", out=traces,
-                                max_new_tokens=budget.trace_tokens, limit=budget.trace_prompts, top_logprobs=top_k))
+                                max_new_tokens=budget.trace_tokens, limit=budget.trace_prompts, top_logprobs=written_k))
     summary = read_json(traces.with_name("traces.summary.json"))
     out["traces"] = {"seconds": summary["this_run"].get("wall_s"), "bytes": traces.stat().st_size,
                      "completion_tokens": summary["completion_tokens"],
@@ -67,8 +72,8 @@ def run_variant(name: str, args, work: Path) -> dict[str, Any]:
                           overwrite=True)
     t = time.time()
     meta = run_train(TrainConfig(traces=str(traces), init=init, out=str(work / run_name / "draft"),
-                                 epochs=budget.epochs, lr=budget.lr, freeze_layers=frozen, threads=args.threads,
-                                 kd_stored=kd, kd_weight=args.kd_weight, seed=args.seed,
+                                 epochs=args.epochs or budget.epochs, lr=budget.lr, freeze_layers=frozen,
+                                 threads=args.threads, kd_stored=kd, kd_weight=args.kd_weight, seed=args.seed,
                                  labels=str(labels) if on_policy else None,
                                  qat_group_size=pack_cfg.group_size if budget.qat else None))
     out["train"] = {"seconds": round(time.time() - t, 1), "steps": meta.get("steps"), "best": meta.get("best")}
@@ -92,6 +97,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["ce", "kd16"])
     ap.add_argument("--kd-weight", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--epochs", type=float, default=None, help="override the budget's epochs")
+    ap.add_argument("--traces-top", type=int, default=None, help="one traces file with this top-K for every variant")
     ap.add_argument("--tag", default="", help="suffix of the variants' dirs (the traces are shared per K)")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
