@@ -8,8 +8,8 @@ on the target as in Qwen3-8B and a tied one on the draft as in Qwen3-1.7B, Qwen3
 generation config -- at a size two CPU cores carry.
 
 A random target answers with random tokens and never ends an answer, so ``build_reference_target`` fits it for a
-few dozen steps to answer a templated prompt in the template's shape: a short reply that depends on the kind of
-request, closed by ``<|im_end|>``. Its traces then stop where a real target's stop. What it answers says nothing
+couple of hundred steps to answer a templated prompt in the template's shape: a short reply that depends on the
+kind of request, closed by ``<|im_end|>``. Its traces then stop where a real target's stop. What it answers says nothing
 about Qwen3; the rehearsal measures code paths, not draft quality.
 """
 
