@@ -2,7 +2,7 @@
 # The GPU smoke run: the GPU-marked tests and the reference rehearsal (`specdraft rehearse --device cuda`) end to
 # end on a CUDA machine, then a pass/fail table. Nothing else depends on it; CI never runs it.
 #
-#   bench/gpu_smoke.sh [OUT_DIR]        # default runs/gpu_smoke; about 5 minutes on one GPU
+#   bench/gpu_smoke.sh [OUT_DIR]        # default runs/gpu_smoke; timeouts of 150 s (tests) and 420 s (rehearsal): under 10 minutes
 #
 # It uses the Python in $PYTHON (default: .venv/bin/python when present, else python3), which must have a CUDA
 # build of torch; specdraft is installed into it (editable, with the dev and llama extras' Python parts) when it
@@ -26,7 +26,7 @@ torch_version=$("$PYTHON" -c "import torch; print(torch.__version__, torch.versi
 if [ -n "$cuda" ]; then row "CUDA" PASS "$cuda, torch $torch_version"; else row "CUDA" FAIL "torch $torch_version sees no GPU"; fi
 
 start=$(date +%s)
-timeout 300 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" >"$OUT/gpu_tests.log" 2>&1
+timeout 150 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" >"$OUT/gpu_tests.log" 2>&1
 rc=$?
 summary=$(tail -n 1 "$OUT/gpu_tests.log")
 if [ $rc -eq 0 ] && ! grep -q skipped <<<"$summary"; then status=PASS; else status=FAIL; fi
