@@ -19,9 +19,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from specdraft.model.chat import has_chat_template
 from specdraft.model.export import GGUF_ARCHS
-from specdraft.model.lean import LEAN_MODEL_TYPES
+from specdraft.model.lean import lean_unsupported
 from specdraft.model.specs import resolve_model, tokenizer_fingerprint, tokenizer_from_dir
 from specdraft.model.truncate import parse_truncate_spec
+from specdraft.quant.qd4 import meta_model
 
 
 class UnsupportedModelError(ValueError):
@@ -76,18 +77,18 @@ def check_pipeline_models(target: str | os.PathLike, draft_init: str | None = No
 
     if problems:
         raise UnsupportedModelError("the pipeline cannot run on this model:\n  - " + "\n  - ".join(problems))
-    lean = model_type in LEAN_MODEL_TYPES and not getattr(text, "use_sliding_window", False) and all(
-        t == "full_attention" for t in (getattr(text, "layer_types", None) or []))
+    # the decode loop's own test, on the model this config builds (meta device: no weights, no memory)
+    no_lean = lean_unsupported(meta_model(config).eval())
     gguf = model_type in GGUF_ARCHS
     notes = []
-    if not lean:
+    if no_lean:
         notes.append(f"model type {model_type!r}: decode steps run through transformers' forward (the lean "
-                     f"forward covers {', '.join(LEAN_MODEL_TYPES)} with full attention)")
+                     f"forward does not cover {no_lean})")
     if not gguf:
         notes.append(f"model type {model_type!r}: no GGUF export (the writer covers {', '.join(GGUF_ARCHS)}); "
                      "the Hugging Face export still applies")
     return PipelineModels(target=str(target), model_type=model_type, vocab_rows=vocab_rows,
-                          tokenizer_entries=len(tokenizer), draft_init=draft_init, lean_forward=lean,
+                          tokenizer_entries=len(tokenizer), draft_init=draft_init, lean_forward=no_lean is None,
                           gguf_export=gguf, notes=notes)
 
 
