@@ -661,11 +661,11 @@ def _llama_cpp_section(summary: dict) -> list[str]:
     spec = summary.get("speculate_llama_cpp")
     if not spec:
         skipped = summary.get("llama_cpp_not_measured") or {}
-        lines.append(f"Not measured in this run: {skipped.get('why')}. {skipped.get('how')}.")
+        why = f"Not measured in this run: {skipped.get('why')}. {skipped.get('how')}."
         if not summary.get("embedded_target", True):
-            return lines
-        return lines[:-1] + [lines[-1][:-1] + ". What it gave on a named machine (BENCHMARKS.md):", "",
-                             summary.get("llama_cpp_reference") or _missing_block(LLAMA_CPP_BLOCK)]
+            return lines + [why]
+        return lines + [why + " What it gave on a named machine (BENCHMARKS.md):", "",
+                        summary.get("llama_cpp_reference") or _missing_block(LLAMA_CPP_BLOCK)]
     target = Path(spec["target_file"]).name if spec.get("target_file") else "the target's GGUF file"
     threads = spec.get("threads")
     lines += [f"llama-cpp-python {spec.get('llama_cpp_python')}, the target's own file `{target}`, "
