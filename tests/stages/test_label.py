@@ -157,6 +157,9 @@ def test_on_policy_labels_are_the_drafts_continuations_with_the_targets_argmax(t
     assert any(r["target_ids"] != r["completion_ids"] for r in rows)  # a random draft is not the target
     # rows of another draft (or length) are not mixed in on a rerun
     other = build_tiny_model(tmp_path / "other", "qwen3", layers=1, seed=8)
+    with pytest.raises(ValueError, match="no draft weights there"):
+        run_label(LabelConfig(target=str(tiny_qwen3_dir), prompts=str(prompts), out=str(tmp_path / "x.jsonl"),
+                              answers_from=str(tmp_path), min_answer_tokens=1, device="cpu"))
     with pytest.raises(ValueError, match="different settings .'answers_from'"):
         run_label(LabelConfig(target=str(tiny_qwen3_dir), prompts=str(prompts), out=str(out),
                               answers_from=str(other), max_new_tokens=6, min_answer_tokens=1, device="cpu"))

@@ -45,7 +45,7 @@ from specdraft.core.stage import LABEL_FIELDS, Progress, StageResult, check_resu
 from specdraft.model.chat import encode_prompts, has_chat_template
 from specdraft.model.decode import iter_greedy
 from specdraft.model.device import DEVICE_HELP, resolve_device
-from specdraft.model.loader import load_draft, packed_weight_file
+from specdraft.model.loader import ModelLoadError, load_draft, packed_weight_file
 from specdraft.model.specs import (
     DEFAULT_TARGET,
     describe_source,
@@ -148,6 +148,17 @@ def _prompt_rows(cfg: LabelConfig) -> tuple[list[dict[str, Any]], int]:
     return [{"id": r.id, "source": r.source, "prompt": r.text} for r in records][: cfg.limit], len(records)
 
 
+def _draft_weights_sha256(model_dir: str) -> str:
+    """The draft's weights as the resume key knows them: its safetensors, or its packed QD04 file."""
+    sha = weights_sha256(model_dir)
+    if sha is None:
+        packed = packed_weight_file(model_dir)
+        if packed is None:
+            raise ModelLoadError(f"--answers-from {model_dir}: no draft weights there (draft.qd4 or *.safetensors)")
+        sha = sha256_file(packed)
+    return sha
+
+
 def _draft_answers(cfg: LabelConfig, prompt_ids: list[list[int]]) -> list[list[int]]:
     """The draft's greedy continuation of each templated prompt (its own EOS ends one), cut to fit max_seq_len."""
     draft, _ = load_draft(cfg.answers_from, "float32", device=resolve_device(cfg.device))
@@ -171,8 +182,8 @@ def _run_label(cfg: LabelConfig, out: Path, summary_path: Path, log_path: Path) 
     key = {"target_weights_sha256": target.get("weights_sha256"), "target_gguf_sha256": target.get("gguf_sha256"),
            "chat_template": template, "tokenizer": tokenizer_fingerprint(tokenizer), "max_seq_len": cfg.max_seq_len}
     if cfg.answers_from:  # whose continuations, and how long: rows from another draft must not mix in
-        key["answers_from"] = {"weights_sha256": weights_sha256(cfg.answers_from) or sha256_file(
-            packed_weight_file(cfg.answers_from)), "max_new_tokens": cfg.max_new_tokens}
+        key["answers_from"] = {"weights_sha256": _draft_weights_sha256(cfg.answers_from),
+                               "max_new_tokens": cfg.max_new_tokens}
     check_resume(summary_path, out, key, len(done))
     todo = [r for r in rows if str(r["id"]) not in done]
     base = {"stage": "label", "target": target,
