@@ -6,15 +6,20 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdraft.model.decode import (
+    DraftSampling,
     SlotDecoder,
     draft_batch,
+    draft_rows,
     greedy_decode,
     iter_greedy,
     left_pad,
+    naive_draft,
     naive_greedy,
     prefill_group,
     supports_slot_cache,
+    top_alternatives,
 )
+from specdraft.model.sampling import SamplingParams, warp_probs
 
 
 def _load(path):
@@ -251,3 +256,106 @@ def test_top_logprobs_are_the_full_forwards_top_k_at_every_generated_position(ti
     assert all(plain[i].top_ids is None and plain[i].tokens == batched[i].tokens for i in range(3))
     with pytest.raises(ValueError, match="slot engine"):
         list(iter_greedy(model, prompts, 6, top_logprobs=k, kv_cache="dynamic"))
+
+
+# ------------------------------------------------------------------------------------- sampled drafts
+
+SETTINGS = [
+    DraftSampling(SamplingParams(temperature=0.7), seed=1, return_probs=True, top_alternatives=4),
+    DraftSampling(return_probs=True),  # greedy with its probabilities: 1.0 each
+    DraftSampling(),  # plain greedy, in the same batch
+    DraftSampling(SamplingParams(temperature=1.0, top_k=20, top_p=0.8), seed=5, return_probs=True),
+    DraftSampling(SamplingParams(temperature=1.3, top_p=0.5), seed=7, return_probs=True, top_alternatives=6),
+    DraftSampling(return_probs=True, top_alternatives=3),
+]
+
+
+def _expected_alternatives(probs, logits, k):
+    """The k most likely tokens by a full sort: probability descending, equal probabilities by logit."""
+    order = sorted(range(len(probs)), key=lambda t: (-float(probs[t]), -float(logits[t])))[:k]
+    return order, [float(probs[t]) for t in order]
+
+
+def test_sampled_rows_equal_a_naive_sampler_with_the_full_forwards_probabilities(tiny_model_dir):
+    """Each row of a mixed batch (seeded sampled rows beside greedy ones): the tokens the no-cache reference
+    draws with the same seed, and draft_probs / top alternatives equal to warp_probs of a full forward of the
+    prefix at each drafted position."""
+    model = _load(tiny_model_dir)
+    contexts = _prompts(model.config.vocab_size, [3, 9, 9, 20, 1, 6], seed=11)
+    rows = draft_rows(model, contexts, 8, SETTINGS)
+    for context, settings, row in zip(contexts, SETTINGS, rows):
+        ref = naive_draft(model, context, 8, settings)
+        assert row.tokens == ref.tokens
+        if not settings.return_probs:
+            assert row.probs is None and row.alternative_ids is None
+            continue
+        with torch.no_grad():  # every drafted position's logits, from one full forward of context + draft
+            logits = model(input_ids=torch.tensor([context + row.tokens[:-1]])).logits[0, len(context) - 1:]
+        warped = warp_probs(logits, settings.params)  # [8, V]
+        want = [float(warped[j, t]) for j, t in enumerate(row.tokens)]
+        assert row.probs == pytest.approx(want, abs=1e-5)
+        assert row.probs == pytest.approx(ref.probs, abs=1e-5)
+        if settings.params.greedy:
+            assert row.probs == [1.0] * 8
+        k = settings.top_alternatives
+        if not k:
+            assert row.alternative_ids is None
+            continue
+        for j in range(8):
+            ids, values = _expected_alternatives(warped[j], logits[j], k)
+            assert row.alternative_ids[j] == ids
+            assert row.alternative_probs[j] == pytest.approx(values, abs=1e-5)
+            assert row.alternative_probs[j] == sorted(row.alternative_probs[j], reverse=True)
+    # greedy rows, with or without probabilities, draft what draft_batch drafts
+    greedy = [i for i, s in enumerate(SETTINGS) if s.params.greedy]
+    assert [rows[i].tokens for i in greedy] == draft_batch(model, [contexts[i] for i in greedy], 8)
+
+
+@pytest.fixture(scope="module")
+def int4_draft(tmp_path_factory):
+    """The packed tiny draft on the int4 kernel, as the server runs it (rows computed independently)."""
+    from specdraft.model.loader import load_draft
+    from specdraft.model.tiny import build_tiny_model
+    from specdraft.stages.pack import PackConfig, run_pack
+
+    src = build_tiny_model(tmp_path_factory.mktemp("tiny-sampled") / "model", "qwen3")
+    out = tmp_path_factory.mktemp("packed-sampled") / "model"
+    run_pack(PackConfig(checkpoint=str(src), out=str(out)))
+    return load_draft(out, "int4")[0]
+
+
+def test_seeded_sampled_rows_batched_equal_alone_bit_for_bit(int4_draft):
+    """A seeded row gets the same tokens, probabilities and alternatives whatever shares its batch: its own
+    generator, and logits its own on the int4 path."""
+    model = int4_draft
+    contexts = _prompts(model.config.vocab_size, [3, 9, 9, 20, 1, 6], seed=12)
+    batched = draft_rows(model, contexts, 10, SETTINGS)
+    alone = [draft_rows(model, [c], 10, [s])[0] for c, s in zip(contexts, SETTINGS)]
+    assert batched == alone
+    # a different neighbour, and the rows in another order
+    order = [5, 3, 1, 4, 0, 2]
+    shuffled = draft_rows(model, [contexts[i] for i in order], 10, [SETTINGS[i] for i in order])
+    assert [shuffled[order.index(i)] for i in range(6)] == alone
+
+
+def test_a_seed_reproduces_its_draft_and_no_seed_draws_afresh(tiny_qwen3_dir):
+    model = _load(tiny_qwen3_dir)
+    (context,) = _prompts(model.config.vocab_size, [5], seed=13)
+    hot = SamplingParams(temperature=1.5)
+
+    def tokens(settings):
+        return draft_rows(model, [context], 16, [settings])[0].tokens
+
+    assert tokens(DraftSampling(hot, seed=3)) == tokens(DraftSampling(hot, seed=3))
+    assert tokens(DraftSampling(hot, seed=3)) != tokens(DraftSampling(hot, seed=4))
+    assert tokens(DraftSampling(hot)) != tokens(DraftSampling(hot))  # 16 draws over 320 tokens: never all equal
+    with pytest.raises(ValueError, match="return_probs"):
+        DraftSampling(top_alternatives=2)
+
+
+def test_top_alternatives_order_equal_probabilities_by_logit():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.25, 0.0])
+    logits = torch.tensor([3.0, 9.0, 4.0, 1.0, 2.0, -1.0])
+    assert top_alternatives(probs, logits, 4) == ([1, 4, 3, 2], [0.5, 0.25, 0.25, 0.0])
+    one_hot = torch.tensor([0.0, 0.0, 1.0, 0.0])  # greedy: the tokens the draft ranks next, at probability 0
+    assert top_alternatives(one_hot, torch.tensor([2.0, 0.5, 3.0, 2.5]), 3) == ([2, 3, 0], [1.0, 0.0, 0.0])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fakes import FakeLane, expected
+from server.lane_fakes import FakeLane, expected
 from specdraft.model.decode import draft_batch
 from specdraft.server.engine import SlotLane
 from specdraft.server.scheduler import (
@@ -58,7 +58,8 @@ def test_each_request_gets_its_own_answer_short_and_long():
     try:
         contexts = [[i, i + 1] for i in range(10)] + [list(range(30))]
         requests = [s.submit(c, 1 + i % 4, 30) for i, c in enumerate(contexts)]
-        assert [r.future.result(10) for r in requests] == [expected(c, 1 + i % 4) for i, c in enumerate(contexts)]
+        want = [expected(c, 1 + i % 4) for i, c in enumerate(contexts)]
+        assert [r.future.result(10).tokens for r in requests] == want
     finally:
         s.close(10)
     assert any(what == "chunk" for what, _ in long.calls) and not any(what == "chunk" for what, _ in short.calls)
@@ -83,8 +84,8 @@ def test_a_long_prefill_delays_a_short_request_by_at_most_one_chunk():
     try:
         long_request = s.submit(list(range(400)), 4, 60)
         assert submitted.wait(10)
-        assert short_request[0].future.result(10) == expected([5, 6, 7], 4)
-        assert long_request.future.result(30) == expected(list(range(400)), 4)
+        assert short_request[0].future.result(10).tokens == expected([5, 6, 7], 4)
+        assert long_request.future.result(30).tokens == expected(list(range(400)), 4)
     finally:
         s.close(10)
     first = log.index(("admit", [3]))
@@ -105,7 +106,7 @@ def test_a_cancelled_request_is_never_computed():
         queued = s.submit([3, 4], 4, 60)
         queued.cancel(CANCELLED)
         gate.set()
-        assert first.future.result(10) == expected([1, 2], 4)
+        assert first.future.result(10).tokens == expected([1, 2], 4)
     finally:
         gate.set()
         s.close(10)
@@ -140,7 +141,7 @@ def test_a_request_past_its_deadline_is_dropped_without_compute():
         late = s.submit([2, 2], 1, 0.05)
         time.sleep(0.1)
         gate.set()
-        assert first.future.result(10) == [1]
+        assert first.future.result(10).tokens == [1]
         with pytest.raises(TimeoutError):
             late.future.result(10)
     finally:
@@ -159,7 +160,7 @@ def test_a_long_context_that_can_no_longer_make_its_deadline_is_dropped_before_i
         late = s.submit(list(range(1, 17)), 4, 2.4)  # as long again, but due 0.9 s after that
         dropped_at = []
         late.future.add_done_callback(lambda _: dropped_at.append(time.monotonic()))
-        assert first.future.result(10) == expected(range(16), 4)
+        assert first.future.result(10).tokens == expected(range(16), 4)
         with pytest.raises(TimeoutError):
             late.future.result(10)
     finally:
@@ -171,12 +172,12 @@ def test_a_long_context_that_can_no_longer_make_its_deadline_is_dropped_before_i
 def test_work_that_cannot_meet_its_deadline_is_refused_at_once():
     s, short, _, _ = _scheduler(num_draft=16, delay=0.05)
     try:
-        assert len(s.submit([1, 2], 16, 60).future.result(10)) == 16  # measures the costs
+        assert len(s.submit([1, 2], 16, 60).future.result(10).tokens) == 16  # measures the costs
         t = time.perf_counter()
         with pytest.raises(Overloaded) as refused:
             s.submit([3, 4], 16, 0.2)  # 16 iterations of >= 0.05 s cannot fit in 0.2 s
         assert time.perf_counter() - t < 0.1 and refused.value.retry_after > 0
-        assert len(s.submit([5, 6], 16, 60).future.result(10)) == 16  # a reachable deadline is taken
+        assert len(s.submit([5, 6], 16, 60).future.result(10).tokens) == 16  # a reachable deadline is taken
     finally:
         s.close(10)
 
@@ -185,10 +186,10 @@ def test_long_work_that_cannot_meet_its_deadline_is_refused_at_once_without_shor
     s = Scheduler(FakeLane(2, 16, 4), FakeLane(1, 64, 4, delay=0.1), num_draft=4, long_context_tokens=8,
                   prefill_tokens=8).start()
     try:
-        assert s.submit(list(range(16)), 4, 60).future.result(10) == expected(range(16), 4)  # measures the costs
+        assert s.submit(list(range(16)), 4, 60).future.result(10).tokens == expected(range(16), 4)  # measures the costs
         with pytest.raises(Overloaded):
             s.submit(list(range(1, 17)), 4, 0.3)  # 2 chunks and 3 steps of >= 0.1 s
-        assert s.submit(list(range(2, 18)), 4, 60).future.result(10) == expected(range(2, 18), 4)
+        assert s.submit(list(range(2, 18)), 4, 60).future.result(10).tokens == expected(range(2, 18), 4)
     finally:
         s.close(10)
 
@@ -204,7 +205,7 @@ def test_a_full_queue_is_refused_and_close_answers_then_refuses():
         s.submit([4], 1, 60)
     gate.set()
     s.close(10)
-    assert [r.future.result(0) for r in [first, *queued]] == [[1], [2], [3]]
+    assert [r.future.result(0).tokens for r in [first, *queued]] == [[1], [2], [3]]
     with pytest.raises(ShuttingDownError):
         s.submit([5], 1, 60)
     assert not s.running
@@ -230,7 +231,7 @@ def test_a_failed_model_call_fails_its_lane_and_the_scheduler_goes_on():
     try:
         with pytest.raises(DraftFailedError, match="boom"):
             s.submit([13], 4, 60).future.result(10)
-        assert s.submit([2, 3], 4, 60).future.result(10) == expected([2, 3], 4)
+        assert s.submit([2, 3], 4, 60).future.result(10).tokens == expected([2, 3], 4)
     finally:
         s.close(10)
 
@@ -255,7 +256,7 @@ def test_real_lanes_give_every_request_the_draft_it_gets_alone(model):
     contexts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (3, 17, 24, 5, 80, 120, 9, 60)]
     try:
         requests = [s.submit(c, 1 + i % num_draft, 60) for i, c in enumerate(contexts)]
-        got = [r.future.result(60) for r in requests]
+        got = [r.future.result(60).tokens for r in requests]
     finally:
         s.close(10)
     want = [draft_batch(model, [c], 1 + i % num_draft)[0] for i, c in enumerate(contexts)]

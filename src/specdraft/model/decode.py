@@ -17,6 +17,10 @@ Two engines share those rules:
 * **dynamic engine** (``kv_cache="dynamic"``, and the fallback for any other model): the small
   ``prefill`` / ``decode_step`` / ``keep_rows`` functions over a transformers ``DynamicCache``; one
   left-padded batch, finished rows dropped.
+
+The slot engine also drafts with per-row sampling settings (``DraftSampling``: temperature, top-k, top-p through
+``model.sampling.warp_probs``, a seeded generator per row, the draft's probability of each token): the draft
+server's sampled drafts. ``naive_draft`` is their no-cache reference.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdraft.model.lean import lean_forward
+from specdraft.model.sampling import GREEDY, SamplingParams, sample_from, warp_probs
 
 KVCache = Literal["auto", "static", "dynamic"]
 DEFAULT_PREFILL_TOKENS = 8192  # most prompt tokens (padding included) run through one prefill forward
@@ -47,6 +52,93 @@ class Generation:
     # generated token is the first) and their log-probabilities under the full softmax
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # with a ``DraftSampling`` that asks for them: the probability of each generated token under the row's warped
+    # distribution, and that distribution's most likely tokens and their probabilities at each position
+    probs: list[float] | None = None
+    alternative_ids: list[list[int]] | None = None
+    alternative_probs: list[list[float]] | None = None
+
+
+@dataclass(frozen=True)
+class DraftSampling:
+    """How one row of the slot engine picks its tokens, and what it reports besides them.
+
+    ``params`` greedy (the default) takes the argmax, as every other row; otherwise tokens are drawn from
+    ``warp_probs(logits, params)`` with a generator of the row's own, seeded with ``seed`` (None: a fresh random
+    seed), so a seeded row draws the same tokens whatever shares its batch. ``return_probs`` records the warped
+    probability of each drawn token (greedy: the one-hot's 1.0); ``top_alternatives`` k > 0 the warped
+    distribution's k most likely tokens at each position (``top_alternatives``)."""
+
+    params: SamplingParams = GREEDY
+    seed: int | None = None
+    return_probs: bool = False
+    top_alternatives: int = 0
+
+    def __post_init__(self) -> None:
+        if self.top_alternatives < 0 or (self.top_alternatives and not self.return_probs):
+            raise ValueError("top_alternatives must be >= 0, and > 0 only with return_probs")
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing more to report: the row takes the engine's argmax path and nothing else."""
+        return self.params.greedy and not self.return_probs
+
+
+PLAIN = DraftSampling()
+
+
+def top_alternatives(probs: torch.Tensor, logits: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+    """The ``k`` most likely tokens of one warped distribution ``probs`` [V] and their probabilities, most likely
+    first. Tokens of equal probability -- notably the zero-probability ones: every token but the argmax when
+    greedy, those top-k or top-p cut -- come in the order of their ``logits``, so the list says which tokens the
+    draft ranks next even where the warp gives them nothing."""
+    floor = probs.topk(k).values[-1]
+    above = (probs > floor).nonzero().squeeze(-1)  # fewer than k
+    at_floor = logits.float().masked_fill(probs != floor, float("-inf")).topk(k - above.numel()).indices
+    ids = torch.cat([above, at_floor])
+    ids = ids[torch.sort(logits[ids], descending=True, stable=True).indices]  # ties in probability: by logit
+    ids = ids[torch.sort(probs[ids], descending=True, stable=True).indices]
+    return ids.tolist(), probs[ids].tolist()
+
+
+class RowSampler:
+    """A row's ``DraftSampling`` at work: its generator and what it has recorded so far."""
+
+    def __init__(self, settings: DraftSampling, device: torch.device):
+        self.settings = settings
+        self.generator: torch.Generator | None = None
+        if not settings.params.greedy:
+            self.generator = torch.Generator(device=device)
+            if settings.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(settings.seed)
+        self.probs: list[float] = []
+        self.alternative_ids: list[list[int]] = []
+        self.alternative_probs: list[list[float]] = []
+
+    def pick(self, logits: torch.Tensor, greedy_token: int) -> int:
+        """The row's token from its next-token ``logits`` [V] (``greedy_token`` is their argmax), recorded."""
+        s = self.settings
+        if s.params.greedy and not s.top_alternatives:
+            self.probs.append(1.0)  # one-hot: no need to build it
+            return greedy_token
+        probs = warp_probs(logits, s.params)  # [V]
+        token = greedy_token if self.generator is None else int(sample_from(probs, self.generator))
+        if s.return_probs:
+            self.probs.append(float(probs[token]))
+        if s.top_alternatives:
+            ids, values = top_alternatives(probs, logits, s.top_alternatives)
+            self.alternative_ids.append(ids)
+            self.alternative_probs.append(values)
+        return token
+
+    def report(self, upto: int | None = None) -> dict:
+        """The ``Generation`` fields this row fills (its first ``upto`` positions)."""
+        s = self.settings
+        return {"probs": self.probs[:upto] if s.return_probs else None,
+                "alternative_ids": self.alternative_ids[:upto] if s.top_alternatives else None,
+                "alternative_probs": self.alternative_probs[:upto] if s.top_alternatives else None}
 
 
 def top_logprobs_of(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -342,6 +434,7 @@ class SlotDecoder:
         self.index: list[int] = []  # caller's index of each live row
         self.tokens: list[list[int]] = []  # generated so far, per live row
         self.tops: list[tuple[list[list[int]], list[list[float]]]] = []  # (top ids, top logprobs) per live row
+        self.samplers: list[RowSampler | None] = []  # per live row; None: plain greedy (most rows)
         self.start = torch.zeros(slots, dtype=torch.long, device=self.device)  # first real column
         self.end = torch.zeros(slots, dtype=torch.long, device=self.device)  # next write column
         self.position = torch.zeros(slots, dtype=torch.long, device=self.device)  # next position id
@@ -360,9 +453,11 @@ class SlotDecoder:
             ~allowed, torch.finfo(self.dtype).min)
 
     @torch.inference_mode()
-    def admit(self, indices: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[tuple[int, Generation]]:
+    def admit(self, indices: Sequence[int], prompts: Sequence[Sequence[int]],
+              sampling: Sequence[DraftSampling] | None = None) -> list[tuple[int, Generation]]:
         """Prefill ``prompts`` (one left-padded group) into the next free slots; their first token is the
-        prefill's argmax. Returns the rows already finished (EOS first, or ``max_new_tokens == 1``)."""
+        prefill's argmax, or drawn as each row's ``sampling`` says (default: all plain greedy). Returns the rows
+        already finished (EOS first, or ``max_new_tokens == 1``)."""
         m = len(prompts)
         if m == 0:
             return []
@@ -382,7 +477,8 @@ class SlotDecoder:
                          position_ids=positions_from_mask(mask), use_cache=True, logits_to_keep=1,
                          **cache_kwargs(self.model, self.cache))
         self.cache.end_forward()
-        first = out.logits[:, -1, :].argmax(-1)  # [m]
+        samplers = self._samplers(sampling, m)
+        first = self._pick(out.logits[:, -1, :], samplers)  # [m]
         tops = self._tops(out.logits[:, -1, :])
         lengths = mask.sum(-1)
         rows = slice(r0, r0 + m)
@@ -393,13 +489,16 @@ class SlotDecoder:
         self.index.extend(indices)
         self.tokens.extend([] for _ in range(m))
         self.tops.extend(([], []) for _ in range(m))
+        self.samplers.extend(samplers)
         self.n += m
         return self._record(first.tolist(), range(r0, r0 + m), tops)
 
     @torch.inference_mode()
-    def prefill_chunk(self, index: int, prompt: Sequence[int], start: int, size: int) -> list[tuple[int, Generation]]:
+    def prefill_chunk(self, index: int, prompt: Sequence[int], start: int, size: int,
+                      sampling: DraftSampling | None = None) -> list[tuple[int, Generation]]:
         """Prefill ``prompt[start:start + size]`` of one long prompt, which waits in the top slot meanwhile (one at a
-        time). Its last piece makes the row live, as ``admit`` does, and returns it if it already finished."""
+        time). Its last piece makes the row live, as ``admit`` does (with ``sampling``), and returns it if it
+        already finished."""
         total, end = len(prompt), min(start + size, len(prompt))
         if start == 0:
             if self.chunked is not None:
@@ -428,11 +527,13 @@ class SlotDecoder:
         r = self.n
         if slot != r:
             self.cache.move_rows([slot], [r], total)
-        first = out.logits[:, -1, :].argmax(-1)  # [1]
+        samplers = self._samplers(None if sampling is None else [sampling], 1)
+        first = self._pick(out.logits[:, -1, :], samplers)  # [1]
         self.start[r], self.end[r], self.position[r], self.last[r] = 0, total, total, first[0]
         self.index.append(index)
         self.tokens.append([])
         self.tops.append(([], []))
+        self.samplers.extend(samplers)
         self.n += 1
         return self._record(first.tolist(), [r], self._tops(out.logits[:, -1, :]))
 
@@ -466,11 +567,29 @@ class SlotDecoder:
                                 position_ids=self.position[:n, None], use_cache=True,
                                 **cache_kwargs(self.model, self.cache)).logits
         self.cache.end_forward()
-        nxt = logits[:, -1, :].argmax(-1)  # [n]
+        nxt = self._pick(logits[:, -1, :], self.samplers)  # [n]
         self.end[:n] += 1
         self.position[:n] += 1
         self.last[:n] = nxt
         return self._record(nxt.tolist(), range(n), self._tops(logits[:, -1, :]))
+
+    def _samplers(self, sampling: Sequence[DraftSampling] | None, m: int) -> list[RowSampler | None]:
+        if sampling is None:
+            return [None] * m
+        if len(sampling) != m:
+            raise ValueError(f"{m} prompts but {len(sampling)} sampling settings")
+        return [None if s.plain else RowSampler(s, self.device) for s in sampling]
+
+    def _pick(self, logits: torch.Tensor, samplers: Sequence[RowSampler | None]) -> torch.Tensor:
+        """Each row's next token from its logits [n, V]: the argmax, except where a row's sampler picks."""
+        tokens = logits.argmax(-1)  # [n]
+        if not any(samplers):  # all plain greedy rows: the path they always took
+            return tokens
+        greedy = tokens.tolist()
+        for row, sampler in enumerate(samplers):
+            if sampler is not None:
+                tokens[row] = sampler.pick(logits[row], greedy[row])
+        return tokens
 
     def _tops(self, logits: torch.Tensor) -> tuple[list[list[int]], list[list[float]]] | None:
         return top_logprobs_of(logits, self.top_k) if self.top_k else None
@@ -492,7 +611,9 @@ class SlotDecoder:
             else:
                 continue
             top_ids, top_lps = self.tops[row] if tops is not None else (None, None)
-            finished.append((self.index[row], Generation(toks, reason, top_ids, top_lps)))
+            sampler = self.samplers[row]
+            finished.append((self.index[row], Generation(toks, reason, top_ids, top_lps,
+                                                         **(sampler.report() if sampler else {}))))
             done.append(row)
         if done:
             self._release(done)
@@ -515,9 +636,11 @@ class SlotDecoder:
                 self.index[r_dst] = self.index[r_src]
                 self.tokens[r_dst] = self.tokens[r_src]
                 self.tops[r_dst] = self.tops[r_src]
+                self.samplers[r_dst] = self.samplers[r_src]
         del self.index[keep_n:]
         del self.tokens[keep_n:]
         del self.tops[keep_n:]
+        del self.samplers[keep_n:]
         self.n = keep_n
 
 
@@ -624,6 +747,46 @@ def draft_batch(model, contexts: Sequence[Sequence[int]], num_tokens: int, lean:
     different lengths are prefilled apart and decode steps attend row by row."""
     return [g.tokens for g in greedy_decode(model, contexts, num_tokens, stop_at_eos=False, lean=lean,
                                             exact_rows=True)]
+
+
+@torch.inference_mode()
+def draft_rows(model, contexts: Sequence[Sequence[int]], num_tokens: int, sampling: Sequence[DraftSampling],
+               lean: bool = True) -> list[Generation]:
+    """``num_tokens`` draft tokens per context, each row as its ``sampling`` says (with its probabilities when
+    asked): ``draft_batch`` with per-row settings. Exact rows, as the server's lanes: every row gets what it
+    gets alone, a seeded sampled row included."""
+    if len(sampling) != len(contexts):
+        raise ValueError(f"{len(contexts)} contexts but {len(sampling)} sampling settings")
+    if not contexts:
+        return []
+    decoder = SlotDecoder(model, len(contexts), max(map(len, contexts)) + num_tokens, num_tokens, eos=set(),
+                          lean=lean, row_attention=True)
+    lengths = [len(c) for c in contexts]
+    waiting = deque(range(len(contexts)))
+    results: dict[int, Generation] = {}
+    while waiting:  # one slot per context: admission never waits for a step
+        group = prefill_group(waiting, lengths, decoder.free, DEFAULT_PREFILL_TOKENS, 0.0)
+        results.update(decoder.admit(group, [contexts[i] for i in group], [sampling[i] for i in group]))
+    while decoder.n:
+        results.update(decoder.step())
+    return [results[i] for i in range(len(contexts))]
+
+
+@torch.inference_mode()
+def naive_draft(model, prompt: Sequence[int], num_tokens: int, sampling: DraftSampling) -> Generation:
+    """Reference for ``draft_rows``: one row, no cache, the full sequence recomputed every step; each token the
+    argmax or drawn from ``warp_probs`` of the last position's logits with a generator seeded as the row's."""
+    device = _device(model)
+    generator = RowSampler(sampling, device).generator  # None when greedy
+    seq, out, probs = list(prompt), [], []
+    for _ in range(num_tokens):
+        logits = model(input_ids=torch.tensor([seq], device=device), use_cache=False).logits[0, -1]
+        warped = warp_probs(logits, sampling.params)
+        tok = int(logits.argmax()) if generator is None else int(sample_from(warped, generator))
+        out.append(tok)
+        probs.append(float(warped[tok]))
+        seq.append(tok)
+    return Generation(out, "length", probs=probs)
 
 
 @torch.inference_mode()

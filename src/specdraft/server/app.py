@@ -54,6 +54,7 @@ from specdraft.server.schema import (
     ErrorResponse,
     Health,
     draft_request_model,
+    draft_sampling,
     validation_details,
 )
 
@@ -225,7 +226,8 @@ def create_app(config: ServeConfig, engine: Any = None,
 
     app = FastAPI(title="specdraft draft server", version=_version(), lifespan=lifespan,
                   docs_url=None, redoc_url=None,
-                  description="Greedy drafts from a small model for speculative decoding.")
+                  description="Drafts from a small model for speculative decoding: greedy, or sampled with "
+                              "the draft's probabilities for speculative sampling.")
     app.state.server = state
     app.state.max_context = max_context
     error_responses: dict[int | str, dict[str, Any]] = {
@@ -241,14 +243,16 @@ def create_app(config: ServeConfig, engine: Any = None,
         return ApiError(503, error, message, headers={"Retry-After": retry_after_header(retry_after)})
 
     @app.post("/draft", response_model=DraftResponse, responses=error_responses,
-              summary="the draft model's next num_tokens greedy tokens after token_ids")
+              summary="the draft model's next num_tokens tokens after token_ids (greedy, or sampled), with "
+                      "their probabilities when asked")
     async def draft(body: DraftRequest, request: Request) -> Any:  # type: ignore[valid-type]
         scheduler = state.scheduler
         if state.status != "ok" or scheduler is None:
             raise ApiError(503, "not_ready", f"the draft is not being served (status: {state.status})",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
-            pending = scheduler.submit(body.token_ids, body.num_tokens, config.request_timeout_s)
+            pending = scheduler.submit(body.token_ids, body.num_tokens, config.request_timeout_s,
+                                       draft_sampling(body))
         except Overloaded as e:
             raise unavailable(REFUSED_OVERLOAD, "overloaded", str(e), e.retry_after) from None
         except QueueFullError as e:
@@ -268,7 +272,7 @@ def create_app(config: ServeConfig, engine: Any = None,
             pending.cancel(TIMED_OUT)
             raise unavailable(TIMED_OUT, "timeout", f"no draft within {config.request_timeout_s}s")
         try:
-            ids = answer.result()
+            drafted = answer.result()
         except (TimeoutError, asyncio.CancelledError):
             raise unavailable(TIMED_OUT, "timeout", f"no draft within {config.request_timeout_s}s") from None
         except ShuttingDownError as e:
@@ -276,8 +280,13 @@ def create_app(config: ServeConfig, engine: Any = None,
         except DraftFailedError as e:
             metrics.outcome(FAILED)
             raise ApiError(500, "draft_failed", f"the model failed on this request's iteration: {e}") from None
-        metrics.outcome(ANSWERED, len(ids))
-        return JSONResponse({"draft_ids": ids, "model": state.engine.name})
+        metrics.outcome(ANSWERED, len(drafted.tokens))
+        payload: dict[str, Any] = {"draft_ids": drafted.tokens, "model": state.engine.name}
+        if body.return_probs:  # fields a request did not ask for stay absent: the greedy answer is unchanged
+            payload["draft_probs"] = drafted.probs
+        if body.top_alternatives:
+            payload["top_ids"], payload["top_probs"] = drafted.top_ids, drafted.top_probs
+        return JSONResponse(payload)
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "not ready"}})
     async def health() -> Any:

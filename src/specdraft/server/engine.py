@@ -3,8 +3,8 @@
 Loading is ``model.loader.load_draft``; the compute formats are ``quant.linear``'s. A ``SlotLane`` is a
 ``model.decode.SlotDecoder`` over the draft whose rows are keyed by request: every row attends to its own columns
 only and the int4 kernel computes rows independently, so a request gets the tokens it gets alone, whoever shares
-its iteration. The server adds the lean decode forward (``model.lean``, built at load) and hands freed memory
-back to the OS (``heap_trimmer``).
+its iteration -- a sampled request too, drawing from its own seeded generator. The server adds the lean decode
+forward (``model.lean``, built at load) and hands freed memory back to the OS (``heap_trimmer``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from typing import Any, Callable, Sequence
 
 from torch import nn
 
-from specdraft.model.decode import Generation, SlotDecoder, draft_batch
+from specdraft.model.decode import DraftSampling, Generation, RowSampler, SlotDecoder, draft_batch, draft_rows
 from specdraft.model.lean import lean_forward, lean_unsupported
 from specdraft.model.loader import load_draft
 from specdraft.quant.linear import Compute
+from specdraft.server.scheduler import Draft
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,11 @@ class Engine:
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
         return draft_batch(self.model, contexts, num_tokens, lean=self.lean)
 
+    def sample(self, contexts: Sequence[Sequence[int]], num_tokens: int,
+               sampling: Sequence[DraftSampling]) -> list[Generation]:
+        """Drafts with per-row settings and probabilities, as the server's lanes decode them."""
+        return draft_rows(self.model, contexts, num_tokens, sampling, lean=self.lean)
+
     def lane(self, slots: int, capacity: int, num_draft: int) -> "SlotLane":
         return SlotLane(self.model, slots, capacity, num_draft, lean=self.lean)
 
@@ -64,26 +70,37 @@ class SlotLane:
     def free(self) -> int:
         return self.decoder.free
 
-    def _tokens(self, finished: list[tuple[int, Generation]]) -> dict[int, list[int]]:
-        out = {key: list(toks) for key, toks in zip(self.decoder.index, self.decoder.tokens)}
-        out.update({key: gen.tokens for key, gen in finished})
+    def _drafts(self, finished: list[tuple[int, Generation]]) -> dict[int, Draft]:
+        d = self.decoder
+        out = {key: _draft_so_far(toks, sampler) for key, toks, sampler in zip(d.index, d.tokens, d.samplers)}
+        out.update({key: Draft(gen.tokens, gen.probs, gen.alternative_ids, gen.alternative_probs)
+                    for key, gen in finished})
         return out
 
-    def admit(self, keys: Sequence[int], contexts: Sequence[Sequence[int]]) -> dict[int, list[int]]:
-        tokens = self._tokens(self.decoder.admit(list(keys), list(contexts)))
-        return {key: tokens[key] for key in keys}
+    def admit(self, keys: Sequence[int], contexts: Sequence[Sequence[int]],
+              sampling: Sequence[DraftSampling]) -> dict[int, Draft]:
+        drafts = self._drafts(self.decoder.admit(list(keys), list(contexts), list(sampling)))
+        return {key: drafts[key] for key in keys}
 
-    def prefill_chunk(self, key: int, context: Sequence[int], start: int, size: int) -> dict[int, list[int]]:
-        finished = self.decoder.prefill_chunk(key, context, start, size)
+    def prefill_chunk(self, key: int, context: Sequence[int], start: int, size: int,
+                      sampling: DraftSampling) -> dict[int, Draft]:
+        finished = self.decoder.prefill_chunk(key, context, start, size, sampling)
         if start + size < len(context):
             return {}
-        return {key: self._tokens(finished)[key]}
+        return {key: self._drafts(finished)[key]}
 
-    def step(self) -> dict[int, list[int]]:
-        return self._tokens(self.decoder.step())
+    def step(self) -> dict[int, Draft]:
+        return self._drafts(self.decoder.step())
 
     def release(self, keys: Sequence[int]) -> None:
         self.decoder.release(keys)
+
+
+def _draft_so_far(tokens: list[int], sampler: RowSampler | None) -> Draft:
+    if sampler is None:
+        return Draft(list(tokens))
+    report = sampler.report()
+    return Draft(list(tokens), report["probs"], report["alternative_ids"], report["alternative_probs"])
 
 
 def heap_trimmer() -> Callable[[], None] | None:

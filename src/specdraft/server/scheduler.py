@@ -16,7 +16,9 @@ tokens, is refused at once (``Overloaded``: 503 + Retry-After) instead of timing
 no longer meet it when its turn comes is dropped before its prefill. ``close`` stops
 taking requests, lets the running ones finish until its timeout, fails the rest, and joins the worker.
 
-The model side is two ``Lane`` objects (``server.engine.SlotLane``: a ``SlotDecoder`` keyed by request).
+The model side is two ``Lane`` objects (``server.engine.SlotLane``: a ``SlotDecoder`` keyed by request). Each
+request carries its own ``DraftSampling`` (greedy, or sampled with its own seeded generator, with or without
+probabilities) into its row, so requests with different settings share a batch.
 """
 
 from __future__ import annotations
@@ -31,12 +33,17 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Callable, Protocol, Sequence
 
+from specdraft.model.decode import PLAIN, DraftSampling
+
 log = logging.getLogger(__name__)
 
 # outcomes of a request, as /metrics counts them
 ANSWERED, TIMED_OUT, CANCELLED, FAILED = "answered", "timed_out", "cancelled", "failed"
 REFUSED_OVERLOAD, REFUSED_QUEUE_FULL, REFUSED_SHUTDOWN = "refused_overload", "refused_queue_full", "refused_shutdown"
 EWMA = 0.2  # weight of the newest measurement in the running cost estimates
+# how many of the latest requests to reach the model ``computed_keys`` remembers: enough for a test to look, and
+# bounded, since a long-running server sees requests without end
+COMPUTED_KEYS_KEPT = 1024
 
 
 class QueueFullError(RuntimeError):
@@ -59,6 +66,21 @@ class Overloaded(RuntimeError):
         self.retry_after = retry_after
 
 
+@dataclass
+class Draft:
+    """A request's draft so far: its tokens and, when it asked for them, their probabilities and alternatives."""
+
+    tokens: list[int]
+    probs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_probs: list[list[float]] | None = None
+
+    def head(self, n: int) -> "Draft":
+        """The first ``n`` positions (a request may want fewer tokens than its lane's rows decode)."""
+        return Draft(self.tokens[:n], *(None if v is None else v[:n] for v in (self.probs, self.top_ids,
+                                                                               self.top_probs)))
+
+
 class Lane(Protocol):
     """Rows decoding together in one KV cache; keys are the scheduler's request keys."""
 
@@ -68,14 +90,17 @@ class Lane(Protocol):
     @property
     def free(self) -> int: ...
 
-    def admit(self, keys: Sequence[int], contexts: Sequence[Sequence[int]]) -> dict[int, list[int]]:
-        """Prefill these contexts (of one length) into free slots; the tokens of every admitted row so far."""
+    def admit(self, keys: Sequence[int], contexts: Sequence[Sequence[int]],
+              sampling: Sequence[DraftSampling]) -> dict[int, Draft]:
+        """Prefill these contexts (of one length) into free slots, each row picking its tokens as its ``sampling``
+        says; the draft of every admitted row so far."""
 
-    def prefill_chunk(self, key: int, context: Sequence[int], start: int, size: int) -> dict[int, list[int]]:
+    def prefill_chunk(self, key: int, context: Sequence[int], start: int, size: int,
+                      sampling: DraftSampling) -> dict[int, Draft]:
         """Prefill one piece of a long context; on its last piece, the row's first token (else nothing)."""
 
-    def step(self) -> dict[int, list[int]]:
-        """One greedy token for every live row; each stepped row's tokens so far."""
+    def step(self) -> dict[int, Draft]:
+        """One token for every live row; each stepped row's draft so far."""
 
     def release(self, keys: Sequence[int]) -> None:
         """Drop these rows, live or mid-prefill."""
@@ -97,6 +122,7 @@ class Request:
     num_tokens: int
     deadline: float  # time.monotonic()
     long: bool
+    sampling: DraftSampling = PLAIN
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.monotonic)
     prefilled: int = 0  # context tokens prefilled so far (a long context goes in pieces)
@@ -182,7 +208,8 @@ class Scheduler:
         self._load = Load()  # the worker's queue and lanes as of its last iteration, for submit's estimate
         self._thread: threading.Thread | None = None
         self.iterations = 0
-        self.computed_keys: set[int] = set()  # requests that reached the model (tests: a dropped one never does)
+        # the latest requests that reached the model (tests: a dropped one never does)
+        self.computed_keys: deque[int] = deque(maxlen=COMPUTED_KEYS_KEPT)
 
     # ------------------------------------------------------------------------------------------ client side
 
@@ -196,10 +223,11 @@ class Scheduler:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, context: Sequence[int], num_tokens: int, timeout_s: float) -> Request:
-        """Queue one request due in ``timeout_s``; its future resolves to ``num_tokens`` token ids. Never blocks.
-        Raises ShuttingDownError, QueueFullError or Overloaded (the estimate of the work ahead misses the
-        deadline)."""
+    def submit(self, context: Sequence[int], num_tokens: int, timeout_s: float,
+               sampling: DraftSampling = PLAIN) -> Request:
+        """Queue one request due in ``timeout_s``; its future resolves to a ``Draft`` of ``num_tokens`` tokens,
+        picked as ``sampling`` says. Never blocks. Raises ShuttingDownError, QueueFullError or Overloaded (the
+        estimate of the work ahead misses the deadline)."""
         now = time.monotonic()
         with self._lock:
             if self._closing:
@@ -212,7 +240,7 @@ class Scheduler:
             if estimate is not None and estimate > timeout_s:
                 raise Overloaded(f"the work ahead would take about {estimate:.1f}s, past this request's "
                                  f"{timeout_s:g}s deadline", retry_after=estimate - timeout_s)
-            request = Request(next(self._keys), list(context), int(num_tokens), now + timeout_s, long)
+            request = Request(next(self._keys), list(context), int(num_tokens), now + timeout_s, long, sampling)
             self._inbox.append(request)
             self._lock.notify()
         return request
@@ -377,18 +405,18 @@ class Scheduler:
         self._answer(lane, lane.step())
         return True
 
-    def _answer(self, lane: Lane, tokens: dict[int, list[int]]) -> None:
+    def _answer(self, lane: Lane, drafts: dict[int, Draft]) -> None:
         """Resolve the requests that have their tokens, and take them out of the lane."""
-        done = [key for key, toks in tokens.items() if key in self._running
-                and len(toks) >= self._running[key].num_tokens]
-        live = [key for key in done if len(tokens[key]) < self.num_draft]  # the lane keeps rows until num_draft
+        done = [key for key, draft in drafts.items() if key in self._running
+                and len(draft.tokens) >= self._running[key].num_tokens]
+        live = [key for key in done if len(drafts[key].tokens) < self.num_draft]  # the lane keeps rows to num_draft
         if live:
             lane.release(live)
         for key in done:
             r = self._running.pop(key)
             r.outcome = ANSWERED
             if not r.future.done():
-                r.future.set_result(tokens[key][: r.num_tokens])
+                r.future.set_result(drafts[key].head(r.num_tokens))
 
     def _admit_short(self) -> int:
         """Prefill waiting short contexts, whole, within the iteration's budget: those of one length together
@@ -409,9 +437,9 @@ class Scheduler:
             for r in group:
                 r.running, r.prefilled = True, width
                 self._running[r.key] = r
-                self.computed_keys.add(r.key)
+                self.computed_keys.append(r.key)
             started = time.perf_counter()
-            tokens = self.short.admit([r.key for r in group], [r.context for r in group])
+            tokens = self.short.admit([r.key for r in group], [r.context for r in group], [r.sampling for r in group])
             self._measure_prefill(width * len(group), time.perf_counter() - started, long=False)
             spent += width * len(group)
             self._answer(self.short, tokens)
@@ -436,13 +464,13 @@ class Scheduler:
             r.running = True
             self._running[r.key] = r
             self._chunked = r
-            self.computed_keys.add(r.key)
+            self.computed_keys.append(r.key)
             if self.observer is not None:
                 self.observer.admitted([time.monotonic() - r.enqueued])
         r = self._chunked
         size = min(self._chunk_size(busy), len(r.context) - r.prefilled)
         started = time.perf_counter()
-        tokens = self.long.prefill_chunk(r.key, r.context, r.prefilled, size)
+        tokens = self.long.prefill_chunk(r.key, r.context, r.prefilled, size, r.sampling)
         self._measure_prefill(size, time.perf_counter() - started, long=True)
         r.prefilled += size
         if r.prefilled == len(r.context):

@@ -2,21 +2,87 @@
 
 The request model is built per app (``draft_request_model``) so that the vocabulary size and the context
 limit of the loaded draft are part of the schema: pydantic checks them at the edge, before anything is
-queued, and they appear in ``/openapi.json``.
+queued, and they appear in ``/openapi.json``. The sampling block (``SamplingRequest``) holds
+``model.sampling.SamplingParams``' settings and a seed.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, create_model
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationInfo,
+    WithJsonSchema,
+    create_model,
+    field_validator,
+)
+
+from specdraft.model.decode import DraftSampling
+from specdraft.model.sampling import SamplingParams
 
 MAX_ERROR_DETAILS = 20
+MAX_TOP_ALTERNATIVES = 64
+# Below this a temperature divides float32 logits into infinities (NaN probabilities); 0 is greedy.
+MIN_TEMPERATURE = 1e-4
+MAX_SEED = 2**53 - 1  # the largest integer every JSON parser reads exactly (JavaScript's included)
+
+
+class SamplingRequest(BaseModel):
+    """How the draft picks its tokens: ``model.sampling.SamplingParams`` (transformers' order: temperature, then
+    top-k, then top-p) and the seed of the request's own generator."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False), WithJsonSchema({
+        "anyOf": [{"type": "number", "enum": [0]}, {"type": "number", "minimum": MIN_TEMPERATURE}],
+        "description": f"0: greedy (the other settings are then ignored); else at least {MIN_TEMPERATURE:g}: "
+                       "tokens drawn from the draft's distribution at this temperature"})] = 0.0
+    top_p: Annotated[float, Strict(), Field(
+        gt=0, le=1, allow_inf_nan=False,
+        description="nucleus sampling: keep the most likely tokens until their mass reaches top_p (1: off)")] = 1.0
+    top_k: Annotated[int, Strict(), Field(ge=0, description="keep the top_k most likely tokens (0: off)")] = 0
+    seed: Annotated[int | None, Strict(), Field(
+        ge=0, le=MAX_SEED, description="seeds this request's generator: the same request with the same seed gets "
+                                       "the same draft, whatever it is batched with; absent: a fresh random seed")
+    ] = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_vanishing(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        return value
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+def draft_sampling(request: BaseModel) -> DraftSampling:
+    """What a validated ``DraftRequest`` asks of the decoder's row."""
+    sampling = request.sampling  # type: ignore[attr-defined]
+    return DraftSampling(params=sampling.params() if sampling else SamplingParams(),
+                         seed=sampling.seed if sampling else None,
+                         return_probs=request.return_probs,  # type: ignore[attr-defined]
+                         top_alternatives=request.top_alternatives)  # type: ignore[attr-defined]
 
 
 class DraftResponse(BaseModel):
-    draft_ids: list[int] = Field(description="the draft's greedy continuation, num_tokens token ids")
+    draft_ids: list[int] = Field(description="the draft's continuation, num_tokens token ids: its greedy tokens, "
+                                             "or drawn as the request's sampling says")
     model: str = Field(description="name of the draft model that produced it")
+    draft_probs: list[float] | None = Field(
+        None, description="only with return_probs: the draft's probability of each drafted token under the "
+                          "request's sampling settings; greedy drafts give 1.0 (the argmax's one-hot)")
+    top_ids: list[list[int]] | None = Field(
+        None, description="only with top_alternatives k: at each drafted position the k most likely tokens of the "
+                          "draft's distribution under the request's settings, most likely first (equal "
+                          "probabilities, e.g. the zeros of greedy or of a top-k/top-p cut, in logit order)")
+    top_probs: list[list[float]] | None = Field(
+        None, description="only with top_alternatives: the probabilities of top_ids, descending")
 
 
 class ErrorDetail(BaseModel):
@@ -39,8 +105,10 @@ class Health(BaseModel):
 
 def draft_request_model(vocab_size: int, max_context: int, num_draft: int) -> type[BaseModel]:
     """``DraftRequest`` for one loaded draft: token ids strictly ints in [0, vocab_size), at most
-    ``max_context`` of them; ``num_tokens`` in [1, num_draft], default num_draft."""
+    ``max_context`` of them; ``num_tokens`` in [1, num_draft], default num_draft; the optional sampling block,
+    ``return_probs`` and ``top_alternatives`` (at most the vocabulary)."""
     token_id = Annotated[int, Strict(), Field(ge=0, le=vocab_size - 1)]
+    top_limit = min(MAX_TOP_ALTERNATIVES, vocab_size)
     return create_model(
         "DraftRequest",
         __config__=ConfigDict(extra="forbid", json_schema_extra={
@@ -52,7 +120,22 @@ def draft_request_model(vocab_size: int, max_context: int, num_draft: int) -> ty
             ...),
         num_tokens=(Annotated[int, Strict(), Field(
             ge=1, le=num_draft, description=f"how many draft tokens to return (1..{num_draft})")], num_draft),
+        sampling=(SamplingRequest | None, Field(
+            None, description="how the draft picks its tokens; absent: greedy")),
+        return_probs=(Annotated[bool, Strict(), Field(
+            description="add draft_probs: the draft's probability of each drafted token (1.0 when greedy)")],
+            False),
+        top_alternatives=(Annotated[int, Strict(), Field(
+            ge=0, le=top_limit, description=f"add top_ids and top_probs: the k most likely tokens at each drafted "
+                                            f"position (0..{top_limit}; needs return_probs)")], 0),
+        __validators__={"needs_return_probs": field_validator("top_alternatives")(_needs_return_probs)},
     )
+
+
+def _needs_return_probs(cls, value: int, info: ValidationInfo) -> int:
+    if value and not info.data.get("return_probs", False):
+        raise ValueError("needs return_probs: true")
+    return value
 
 
 def field_name(loc: Iterable[Any]) -> str:
@@ -73,14 +156,24 @@ def validation_details(errors: list[dict[str, Any]]) -> list[ErrorDetail]:
         reason = str(err.get("msg", "invalid"))
         if err.get("type") == "missing":
             reason = "field required"
+        elif err.get("type") == "value_error":  # our own validators' messages, without pydantic's prefix
+            reason = reason.removeprefix("Value error, ")
         elif err.get("type") == "extra_forbidden":
-            reason = "unknown field (allowed: token_ids, num_tokens)"
+            reason = f"unknown field (allowed: {', '.join(_allowed_fields(err.get('loc', ())))})"
         elif "input" in err and err.get("type") in ("int_type", "list_type", "model_type", "dict_type"):
             reason += f" (got {_json_type(err['input'])})"
         details.append(ErrorDetail(field=field_name(err.get("loc", ())), reason=reason))
     if len(errors) > MAX_ERROR_DETAILS:
         details.append(ErrorDetail(field="body", reason=f"... and {len(errors) - MAX_ERROR_DETAILS} more errors"))
     return details
+
+
+def _allowed_fields(loc: Iterable[Any]) -> list[str]:
+    """The fields of the object an unknown field was found in: the sampling block's, or the request's."""
+    inside = [p for p in loc if p != "body"][:-1]
+    if inside[:1] == ["sampling"]:
+        return list(SamplingRequest.model_fields)
+    return ["token_ids", "num_tokens", "sampling", "return_probs", "top_alternatives"]
 
 
 def _json_type(value: Any) -> str:
