@@ -6,20 +6,75 @@ in front of a model (``HybridDrafter``) -- is measured by the same code: accepta
 (``drafting.acceptance.evaluate_drafter``) and end-to-end speculative decoding
 (``drafting.speculative.speculative_generate``, which drafts for one context at a time). A draft may be
 shorter than asked (lookup without a match proposes nothing); it is never longer.
+
+Sampling adds two questions a drafter answers (``model.sampling.SamplingParams``, the same warp as the target's):
+``draft_with_probs`` -- a draft drawn from the drafter's distribution q, with q (speculative sampling needs q at
+every drafted token to stay lossless) -- and ``path_probs`` -- q at every prefix of a given continuation
+(acceptance at temperature, without sampling noise). A drafter that does not sample (lookup, llama.cpp's n-gram)
+proposes its greedy draft, whose q is one-hot: the base class's answer to both.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Sequence
+
+import torch
+
+from specdraft.model.sampling import SamplingParams
 
 
 class DrafterError(RuntimeError):
     """A drafter that failed or answered something unusable."""
 
 
+@dataclass
+class DraftDistributions:
+    """Draft tokens and the distribution q each came from, sparse: row i of ``probs`` is q at position i over the
+    token ids in row i of ``support`` (every other id has q = 0). A model draft's support is the whole vocabulary;
+    a deterministic draft's is its one token (q = 1); a position with nothing proposed has q = 0 everywhere."""
+
+    ids: list[int]
+    support: torch.Tensor  # [n, m] int64 token ids; m = vocab size for a model draft, 1 for a one-hot q
+    probs: torch.Tensor  # [n, m] float32, q over ``support``; each row sums to 1 (0 where nothing is proposed)
+
+    def dense(self, vocab_size: int) -> torch.Tensor:
+        """q as [n, vocab_size] (ids outside the vocabulary are the caller's error)."""
+        out = torch.zeros(self.probs.shape[0], vocab_size, dtype=torch.float32)
+        return out.scatter_add_(1, self.support.cpu(), self.probs.float().cpu())
+
+    @classmethod
+    def one_hot(cls, ids: Sequence[int], positions: int | None = None) -> "DraftDistributions":
+        """q one-hot at each of ``ids``; with ``positions`` > len(ids), the positions after them have q = 0."""
+        ids = [int(t) for t in ids]
+        n = len(ids) if positions is None else positions
+        ids = ids[:n]
+        support = torch.zeros(n, 1, dtype=torch.long)
+        probs = torch.zeros(n, 1, dtype=torch.float32)
+        support[: len(ids), 0] = torch.tensor(ids, dtype=torch.long)
+        probs[: len(ids)] = 1.0
+        return cls(ids, support, probs)
+
+    @classmethod
+    def full(cls, ids: Sequence[int], probs: torch.Tensor) -> "DraftDistributions":
+        """q over the whole vocabulary: ``probs`` [n, V]."""
+        probs = probs.float().cpu()
+        support = torch.arange(probs.shape[-1]).expand(probs.shape[0], -1)
+        return cls([int(t) for t in ids], support, probs)
+
+
 class Drafter(ABC):
+    """What callers may ask of any drafter; each attribute's default is what a drafter without it means."""
+
     name: str = "drafter"
+    # Contexts worth drafting in one call: evaluate_drafter asks 4x this many at once (the HTTP drafter's
+    # requests in flight; an in-process model batches what it is given).
+    concurrency: int = 4
+    # Contexts prompt lookup answered instead of the model, and those the model did (HybridDrafter); None for a
+    # drafter with no lookup in front.
+    lookup_used: int | None = None
+    model_used: int | None = None
 
     @abstractmethod
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
@@ -28,6 +83,31 @@ class Drafter(ABC):
     def draft_one(self, context: Sequence[int], num_tokens: int) -> list[int]:
         """The draft for one context."""
         return list(self.draft([context], num_tokens)[0])
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The draft model's vocabulary size, to check token ids against; None where no model is in process."""
+        return None
+
+    @property
+    def compile_error(self) -> str | None:
+        """Why torch.compile failed for a compiled draft that fell back to eager steps; None otherwise."""
+        return None
+
+    def draft_with_probs(self, contexts: Sequence[Sequence[int]], num_tokens: int, params: SamplingParams,
+                         generator: torch.Generator | None = None) -> list[DraftDistributions]:
+        """Up to ``num_tokens`` tokens after each context drawn from the drafter's distribution under ``params``,
+        with that distribution (q). Here: the greedy draft, q one-hot -- right for a drafter that does not
+        sample, and still lossless in speculative sampling (the target accepts token x with probability p(x))."""
+        return [DraftDistributions.one_hot(d) for d in self.draft(contexts, num_tokens)]
+
+    def path_probs(self, context: Sequence[int], continuation: Sequence[int],
+                   params: SamplingParams) -> DraftDistributions:
+        """Row i: q of the token after ``context + continuation[:i]``, for i < len(continuation) (``ids``: the
+        drafter's own choice there). Here: a drafter that does not sample drafts once, at ``context``; row i is
+        its i-th token one-hot (q = 0 past the end of its draft) -- what one speculative step would offer."""
+        n = len(continuation)
+        return DraftDistributions.one_hot(self.draft_one(context, n)[:n], n)
 
     def reset(self) -> None:
         """A new sequence starts: forget per-sequence state (a kept KV cache). Stateless drafters keep nothing."""
@@ -47,8 +127,8 @@ class Drafter(ABC):
 
 
 class NoDraft(Drafter):
-    """Proposes nothing: speculative decoding with it is plain greedy, one target forward per token -- the
-    baseline timed against speculation in the same loop."""
+    """Proposes nothing: speculative decoding with it is plain decoding (greedy or sampled), one target forward
+    per token -- the baseline timed against speculation in the same loop."""
 
     name = "none"
 

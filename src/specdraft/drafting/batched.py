@@ -1,17 +1,54 @@
 """A draft model in process, stateless: every call prefills its contexts and decodes ``num_tokens`` greedy
-tokens with the shared decode loop (``model.decode.draft_batch``), as the draft server does."""
+tokens with the shared decode loop (``model.decode.draft_batch``), as the draft server does. Sampled drafts
+(``draft_with_probs``) and teacher-forced distributions (``path_probs``) come from the two functions below,
+shared with the kept-cache draft and with eval's target."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from specdraft.drafting.base import Drafter
-from specdraft.model.decode import draft_batch
+import torch
+from transformers import DynamicCache
+
+from specdraft.drafting.base import DraftDistributions, Drafter
+from specdraft.model.decode import draft_batch, extend
+from specdraft.model.sampling import SamplingParams, sample_from, warp_probs
+
+
+@torch.inference_mode()
+def path_logits(model, context: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
+    """[len(continuation), V] float32 logits: row i predicts the token after ``context + continuation[:i]``.
+    One forward over the context and all but the last continuation token."""
+    n = len(continuation)
+    if n == 0:
+        return torch.zeros(0, model.config.vocab_size)
+    ids = list(context) + list(continuation)[:-1]
+    return extend(model, ids, DynamicCache(config=model.config), 0, logits_to_keep=n)[0].float()
+
+
+@torch.inference_mode()
+def sample_draft(model, context: Sequence[int], num_tokens: int, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> DraftDistributions:
+    """``num_tokens`` tokens drawn one at a time from ``model``'s warped distribution after ``context`` (a KV
+    cache kept within the call), with the distribution of each."""
+    cache, ids, rows = DynamicCache(config=model.config), [], []
+    logits = extend(model, list(context), cache, 0, logits_to_keep=1)
+    for _ in range(num_tokens):
+        q = warp_probs(logits[0, -1], params).cpu()  # sampled on the CPU: the generator lives there
+        ids.append(int(sample_from(q, generator)))
+        rows.append(q)
+        if len(ids) < num_tokens:
+            logits = extend(model, ids[-1:], cache, len(context) + len(ids) - 1)
+    return DraftDistributions.full(ids, torch.stack(rows) if rows else torch.zeros(0, model.config.vocab_size))
 
 
 class ModelDrafter(Drafter):
     def __init__(self, model, name: str = "model", max_batch_size: int = 32):
         self.model, self.name, self.max_batch_size = model, name, max_batch_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
 
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
         # Length-sorted chunks keep padding small; results go back in the caller's order.
@@ -22,3 +59,18 @@ class ModelDrafter(Drafter):
             for i, row in zip(chunk, draft_batch(self.model, [contexts[i] for i in chunk], num_tokens)):
                 by_index[i] = row
         return [by_index[i] for i in range(len(contexts))]
+
+    def draft_with_probs(self, contexts, num_tokens, params, generator=None):
+        if params.greedy:  # the greedy draft, bit for bit as ``draft`` gives it
+            return super().draft_with_probs(contexts, num_tokens, params, generator)
+        return [sample_draft(self.model, c, num_tokens, params, generator) for c in contexts]
+
+    def path_probs(self, context, continuation, params):
+        return teacher_forced(self.model, context, continuation, params)
+
+
+def teacher_forced(model, context: Sequence[int], continuation: Sequence[int],
+                   params: SamplingParams) -> DraftDistributions:
+    """A model's q at every prefix of ``continuation`` (``ids``: its most likely token there)."""
+    logits = path_logits(model, context, continuation)
+    return DraftDistributions.full(logits.argmax(-1).tolist(), warp_probs(logits, params))

@@ -9,11 +9,13 @@ from typing import Literal, Sequence
 import torch
 from transformers import DynamicCache
 
-from specdraft.drafting.base import Drafter
+from specdraft.drafting.base import DraftDistributions, Drafter
+from specdraft.drafting.batched import teacher_forced
 from specdraft.drafting.calibration import AcceptanceCalibration
 from specdraft.drafting.metrics import accepted_length
 from specdraft.model.decode import crop_cache, extend
 from specdraft.model.lean import CompiledSteps, lean_forward
+from specdraft.model.sampling import GREEDY, SamplingParams, sample_from, warp_probs
 from specdraft.quant.linear import is_prefill
 
 
@@ -82,14 +84,33 @@ class CachedDraftModel(Drafter):
         still_kept *= self.calibration.estimate(probs[-1])
         return still_kept < self.min_confidence, still_kept
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def compile_error(self) -> str | None:
+        return self.lean.error if isinstance(self.lean, CompiledSteps) else None
+
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
         """One context at a time: the kept cache follows one sequence (several contexts thrash it)."""
-        return [self._draft_one(c, num_tokens) for c in contexts]
+        return [self._draft_one(c, num_tokens)[0] for c in contexts]
+
+    def draft_with_probs(self, contexts, num_tokens, params, generator=None):
+        if params.greedy:  # the greedy draft, bit for bit as ``draft`` gives it
+            return super().draft_with_probs(contexts, num_tokens, params, generator)
+        return [DraftDistributions.full(*self._draft_one(c, num_tokens, params, generator)) for c in contexts]
+
+    def path_probs(self, context, continuation, params):
+        return teacher_forced(self.model, context, continuation, params)
 
     @torch.inference_mode()
-    def _draft_one(self, context: Sequence[int], k: int) -> list[int]:
+    def _draft_one(self, context: Sequence[int], k: int, params: SamplingParams = GREEDY,
+                   generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """(tokens, their q as [n, V]): greedy (q None), or sampled under ``params`` (the stop rule then reads q of
+        the drafted token instead of the greedy token's probability)."""
         if k <= 0:
-            return []
+            return [], None if params.greedy else torch.zeros(0, self.vocab_size)
         context = list(context)
         common = 0
         for a, b in zip(self.tokens, context):
@@ -105,21 +126,32 @@ class CachedDraftModel(Drafter):
         logits = self.feed(feed, common)
         self.tokens.extend(feed)
         self.fed_tokens += len(feed)
-        out, probs, still_kept = [int(logits[0, -1].argmax())], [], 1.0
+        rows: list[torch.Tensor] = []
+
+        def choose(logits: torch.Tensor) -> int:
+            if params.greedy:
+                return int(logits[0, -1].argmax())
+            rows.append(warp_probs(logits[0, -1], params).cpu())  # sampled on the CPU: the generator lives there
+            return int(sample_from(rows[-1], generator))
+
+        def probability(logits: torch.Tensor) -> float:
+            return top_probability(logits) if params.greedy else float(rows[-1][out[-1]])
+
+        out, probs, still_kept = [choose(logits)], [], 1.0
         for _ in range(k - 1):
             if self.min_confidence:
-                probs.append(top_probability(logits))
+                probs.append(probability(logits))
                 stop, still_kept = self._stop_after(probs, still_kept)
                 if stop:
                     break
             logits = self.feed(out[-1:], len(self.tokens))
             self.tokens.append(out[-1])
-            out.append(int(logits[0, -1].argmax()))
+            out.append(choose(logits))
         if self.calibration is not None:
             if len(probs) < len(out):  # the last token's probability, not needed to decide
-                probs.append(top_probability(logits))
+                probs.append(probability(logits))
             self._last_draft = (len(context), out, probs)
-        return out
+        return out, None if params.greedy else torch.stack(rows)
 
 
 def top_probability(logits: torch.Tensor) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specdraft.drafting.base import Drafter, DrafterError
+from specdraft.drafting.base import DraftDistributions, Drafter, DrafterError
 from specdraft.drafting.lookup import MAX_NGRAM, lookup_draft
 
 DEFAULT_HYBRID_MIN_NGRAM = 2
@@ -27,22 +27,54 @@ class HybridDrafter(Drafter):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.model_drafter, self.min_ngram, self.max_ngram = model_drafter, min_ngram, max_ngram
         self.name = name or f"{model_drafter.name}+lookup{min_ngram}"
-        self.model = getattr(model_drafter, "model", None)  # eval checks token ids against its vocab
-        self.concurrency = getattr(model_drafter, "concurrency", 4)
+        self.concurrency = model_drafter.concurrency
         self.lookup_used = self.model_used = 0
 
-    def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
+    @property
+    def vocab_size(self) -> int | None:
+        return self.model_drafter.vocab_size
+
+    @property
+    def compile_error(self) -> str | None:
+        return self.model_drafter.compile_error
+
+    def _lookup(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> tuple[list[list[int]], list[int]]:
+        """Lookup's drafts, and the indices of the contexts it has nothing for (the model's)."""
         out = [lookup_draft(c, num_tokens, self.max_ngram, self.min_ngram) for c in contexts]
         ask = [i for i, d in enumerate(out) if not d]
+        self.lookup_used += len(contexts) - len(ask)
+        self.model_used += len(ask)
+        return out, ask
+
+    def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
+        out, ask = self._lookup(contexts, num_tokens)
         if ask:
             drafts = self.model_drafter.draft([contexts[i] for i in ask], num_tokens)
             if len(drafts) != len(ask):
                 raise DrafterError(f"model drafter returned {len(drafts)} drafts for {len(ask)} contexts")
             for i, d in zip(ask, drafts):
                 out[i] = list(d)
-        self.lookup_used += len(contexts) - len(ask)
-        self.model_used += len(ask)
         return out
+
+    def draft_with_probs(self, contexts, num_tokens, params, generator=None):
+        """Lookup's proposal (q one-hot) where it has one, the model's sampled draft elsewhere."""
+        drafts, ask = self._lookup(contexts, num_tokens)
+        out = [DraftDistributions.one_hot(d) for d in drafts]
+        if ask:
+            sampled = self.model_drafter.draft_with_probs([contexts[i] for i in ask], num_tokens, params, generator)
+            if len(sampled) != len(ask):
+                raise DrafterError(f"model drafter returned {len(sampled)} drafts for {len(ask)} contexts")
+            for i, d in zip(ask, sampled):
+                out[i] = d
+        return out
+
+    def path_probs(self, context, continuation, params):
+        """Where lookup answers at ``context`` its draft drives the whole step (q one-hot), else the model's."""
+        n = len(continuation)
+        found = lookup_draft(context, n, self.max_ngram, self.min_ngram)
+        if found:
+            return DraftDistributions.one_hot(found, n)
+        return self.model_drafter.path_probs(context, continuation, params)
 
     def reset(self) -> None:
         self.model_drafter.reset()
