@@ -12,10 +12,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from server.lane_fakes import FakeLane, expected
-from specdraft.model.decode import draft_batch
+from specdraft.model.decode import DraftSampling, draft_batch, draft_rows
+from specdraft.model.sampling import SamplingParams
 from specdraft.server.engine import SlotLane
 from specdraft.server.scheduler import (
     CANCELLED,
+    COMPUTED_KEYS_KEPT,
     TIMED_OUT,
     DraftFailedError,
     Overloaded,
@@ -236,6 +238,34 @@ def test_a_failed_model_call_fails_its_lane_and_the_scheduler_goes_on():
         s.close(10)
 
 
+def test_computed_keys_stay_bounded_over_a_long_run():
+    """A long-running server sees requests without end: the record of which reached the model keeps the latest."""
+    s, short, _, _ = _scheduler(short_slots=64, long=False, num_draft=1, max_queue=4 * COMPUTED_KEYS_KEPT,
+                                prefill_tokens=4096)
+    try:
+        requests = [s.submit([i % 7], 1, 60) for i in range(COMPUTED_KEYS_KEPT + 300)]
+        assert all(r.future.result(30).tokens == expected([i % 7], 1) for i, r in enumerate(requests))
+    finally:
+        s.close(10)
+    assert len(s.computed_keys) == COMPUTED_KEYS_KEPT
+    assert requests[-1].key in s.computed_keys and requests[0].key not in s.computed_keys
+
+
+def test_each_request_carries_its_sampling_settings_into_its_row():
+    s, short, long, _ = _scheduler()
+    sampled = DraftSampling(SamplingParams(temperature=0.5), seed=9, return_probs=True)
+    try:
+        greedy = s.submit([1, 2], 4, 30)
+        hot = s.submit([3, 4], 4, 30, sampled)
+        long_hot = s.submit(list(range(30)), 4, 30, sampled)
+        for r in (greedy, hot, long_hot):
+            r.future.result(30)
+    finally:
+        s.close(10)
+    assert short.sampling[greedy.key] == DraftSampling() and short.sampling[hot.key] == sampled
+    assert long.sampling[long_hot.key] == sampled
+
+
 # ----------------------------------------------------------------------------------- the real lanes
 
 @pytest.fixture(scope="module")
@@ -261,3 +291,28 @@ def test_real_lanes_give_every_request_the_draft_it_gets_alone(model):
         s.close(10)
     want = [draft_batch(model, [c], 1 + i % num_draft)[0] for i, c in enumerate(contexts)]
     assert got == want
+
+
+def test_real_lanes_give_sampled_requests_their_drafts_alone_beside_greedy_ones(model):
+    """Requests with different settings share the lanes' batches: each gets the draft (tokens, probabilities)
+    ``draft_rows`` gives its context alone with the same settings and seed."""
+    num_draft, long_context = 6, 24
+    short = SlotLane(model, 4, long_context + num_draft, num_draft)
+    long = SlotLane(model, 1, 120 + num_draft, num_draft)
+    s = Scheduler(short, long, num_draft=num_draft, long_context_tokens=long_context, prefill_tokens=32,
+                  chunk_tokens=8).start()
+    rng = random.Random(1)
+    vocab = model.config.vocab_size
+    contexts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (3, 17, 17, 5, 80, 9, 60)]
+    settings = [DraftSampling(SamplingParams(temperature=0.8), seed=i, return_probs=True, top_alternatives=i % 3)
+                if i % 2 else (DraftSampling(return_probs=True) if i % 3 else DraftSampling()) for i in range(7)]
+    try:
+        requests = [s.submit(c, 1 + i % num_draft, 60, settings[i]) for i, c in enumerate(contexts)]
+        got = [r.future.result(60) for r in requests]
+    finally:
+        s.close(10)
+    for i, (c, d) in enumerate(zip(contexts, got)):
+        want = draft_rows(model, [c], 1 + i % num_draft, [settings[i]])[0]
+        assert d.tokens == want.tokens
+        assert (d.probs is None) == (want.probs is None) and d.probs == pytest.approx(want.probs, abs=1e-5)
+        assert d.top_ids == want.alternative_ids

@@ -24,6 +24,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.lane_fakes import FakeEngine
+from specdraft.model.decode import DraftSampling
+from specdraft.model.sampling import SamplingParams
 from specdraft.server.app import SHUTDOWN_MARGIN_S, bind_socket, create_app, every, make_server, url_of
 from specdraft.server.config import ServeConfig
 from specdraft.server.engine import heap_trimmer, load_engine
@@ -215,6 +217,28 @@ BAD_JSON_BODIES = {
     "num_tokens_string": ({"token_ids": [1], "num_tokens": "4"}, "num_tokens", "valid integer"),
     "num_tokens_bool": ({"token_ids": [1], "num_tokens": True}, "num_tokens", "valid integer"),
     "unknown_field": ({"token_ids": [1], "temperature": 0.5}, "temperature", "unknown field"),
+    "temperature_negative": ({"token_ids": [1], "sampling": {"temperature": -0.1}}, "sampling.temperature",
+                             "greater than or equal to 0"),
+    "temperature_vanishing": ({"token_ids": [1], "sampling": {"temperature": 1e-9}}, "sampling.temperature",
+                              "at least"),
+    "temperature_string": ({"token_ids": [1], "sampling": {"temperature": "0.7"}}, "sampling.temperature",
+                           "valid number"),
+    "top_p_zero": ({"token_ids": [1], "sampling": {"temperature": 1, "top_p": 0}}, "sampling.top_p",
+                   "greater than 0"),
+    "top_p_above_1": ({"token_ids": [1], "sampling": {"top_p": 1.5}}, "sampling.top_p", "less than or equal to 1"),
+    "top_k_negative": ({"token_ids": [1], "sampling": {"top_k": -1}}, "sampling.top_k", "greater than or equal"),
+    "top_k_float": ({"token_ids": [1], "sampling": {"top_k": 2.5}}, "sampling.top_k", "valid integer"),
+    "seed_negative": ({"token_ids": [1], "sampling": {"seed": -1}}, "sampling.seed", "greater than or equal"),
+    "sampling_unknown_field": ({"token_ids": [1], "sampling": {"temp": 1}}, "sampling.temp",
+                               "allowed: temperature, top_p, top_k, seed"),
+    "sampling_not_object": ({"token_ids": [1], "sampling": 0.7}, "sampling", "dictionary"),
+    "return_probs_string": ({"token_ids": [1], "return_probs": "yes"}, "return_probs", "valid boolean"),
+    "top_alternatives_65": ({"token_ids": [1], "return_probs": True, "top_alternatives": 65}, "top_alternatives",
+                            "less than or equal to 64"),
+    "top_alternatives_negative": ({"token_ids": [1], "return_probs": True, "top_alternatives": -1},
+                                  "top_alternatives", "greater than or equal to 0"),
+    "top_alternatives_without_probs": ({"token_ids": [1], "top_alternatives": 3}, "top_alternatives",
+                                       "needs return_probs"),
     "body_not_object": ([1, 2, 3], "body", "dictionary"),
 }
 
@@ -307,6 +331,94 @@ def test_openapi_documents_the_limits(live):
     assert req["properties"]["num_tokens"]["maximum"] == 16 and req["properties"]["num_tokens"]["default"] == 16
     assert {"200", "400", "413", "415", "422", "503"} <= set(spec["paths"]["/draft"]["post"]["responses"])
     assert set(spec["paths"]) == {"/draft", "/health", "/metrics"}
+    # the sampling block, probabilities and alternatives, with their bounds
+    props, schemas = req["properties"], spec["components"]["schemas"]
+    assert props["return_probs"]["type"] == "boolean" and props["return_probs"]["default"] is False
+    assert props["top_alternatives"]["maximum"] == 64 and props["top_alternatives"]["minimum"] == 0
+    assert "return_probs" in props["top_alternatives"]["description"]
+    assert props["sampling"]["anyOf"][0]["$ref"] == "#/components/schemas/SamplingRequest"
+    sampling = schemas["SamplingRequest"]
+    assert sampling["additionalProperties"] is False
+    assert set(sampling["properties"]) == {"temperature", "top_p", "top_k", "seed"}
+    assert {"enum": [0], "type": "number"} in sampling["properties"]["temperature"]["anyOf"]
+    assert sampling["properties"]["top_p"]["exclusiveMinimum"] == 0 and sampling["properties"]["top_p"]["maximum"] == 1
+    assert sampling["properties"]["top_k"]["minimum"] == 0
+    response = schemas["DraftResponse"]
+    assert set(response["properties"]) == {"draft_ids", "model", "draft_probs", "top_ids", "top_probs"}
+    assert set(response["required"]) == {"draft_ids", "model"}
+    assert "1.0" in response["properties"]["draft_probs"]["description"]  # the greedy convention
+
+
+def test_greedy_default_response_is_unchanged(live):
+    """No sampling block, or one that asks for greedy and nothing more: the same body, with only its two fields."""
+    url, _ = live
+    body = {"token_ids": [5, 9, 33, 70], "num_tokens": 5}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        plain = c.post("/draft", json=body).json()
+        assert set(plain) == {"draft_ids", "model"} and len(plain["draft_ids"]) == 5
+        for extra in ({"sampling": {"temperature": 0}}, {"sampling": None}, {"return_probs": False},
+                      {"sampling": {"temperature": 0, "top_p": 0.5, "top_k": 3, "seed": 1}, "top_alternatives": 0}):
+            assert c.post("/draft", json={**body, **extra}).json() == plain, extra
+        greedy_probs = c.post("/draft", json={**body, "return_probs": True, "top_alternatives": 3}).json()
+    assert set(greedy_probs) == {"draft_ids", "model", "draft_probs", "top_ids", "top_probs"}
+    assert greedy_probs["draft_ids"] == plain["draft_ids"]
+    assert greedy_probs["draft_probs"] == [1.0] * 5  # greedy: the one-hot's probability
+    assert [ids[0] for ids in greedy_probs["top_ids"]] == plain["draft_ids"]
+    assert all(p == [1.0, 0.0, 0.0] for p in greedy_probs["top_probs"])
+
+
+def test_sampled_drafts_are_seeded_and_batched_equal_alone(live, packed_dir):
+    """Seeded sampled requests with different settings, sent alone and then concurrently beside greedy ones: the
+    same drafts and probabilities; the in-process engine (same weights and kernel) draws the same."""
+    url, _ = live
+    vocab, _ = _vocab_and_limit(url)
+    rng = random.Random(34)
+    requests = []
+    for i in range(16):
+        r = {"token_ids": [rng.randrange(0, vocab) for _ in range(rng.choice([1, 4, 9, 30]))],
+             "num_tokens": rng.randint(1, 16)}
+        if i % 4:
+            r["sampling"] = {"temperature": rng.choice([0.5, 1.0, 1.4]), "top_p": rng.choice([1.0, 0.9]),
+                             "top_k": rng.choice([0, 40]), "seed": 1000 + i}
+            r["return_probs"] = i % 2 == 1
+            r["top_alternatives"] = 4 if i % 4 == 3 else 0
+        requests.append(r)
+    with httpx.Client(base_url=url, timeout=60) as client:
+        single = [client.post("/draft", json=r).json() for r in requests]
+        assert [client.post("/draft", json=r).json() for r in requests[:4]] == single[:4]  # the seed reproduces
+    barrier = threading.Barrier(8)
+
+    def send(r):
+        with httpx.Client(base_url=url, timeout=60) as client:
+            barrier.wait()
+            return client.post("/draft", json=r).json()
+
+    before = metric_samples(url)
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(send, requests)) == single
+    after = metric_samples(url)
+    count, one_row = ("specdraft_iteration_rows_count", ()), ("specdraft_iteration_rows_bucket", (("le", "1.0"),))
+    assert (after[count] - before[count]) - (after[one_row] - before[one_row]) > 0, "no batch of more than one"
+    for r, s in zip(requests, single):
+        assert len(s["draft_ids"]) == r["num_tokens"]
+        asked = r.get("return_probs", False)
+        assert ("draft_probs" in s) == asked and ("top_ids" in s) == bool(r.get("top_alternatives"))
+        if asked:
+            assert len(s["draft_probs"]) == r["num_tokens"] and all(0 < p <= 1 for p in s["draft_probs"])
+        if r.get("top_alternatives"):
+            assert all(len(ids) == 4 and p == sorted(p, reverse=True) for ids, p in zip(s["top_ids"], s["top_probs"]))
+    sampled = [(r, s) for r, s in zip(requests, single) if "sampling" in r][:4]
+    engine = load_engine(packed_dir, None, "int4")
+    for r, s in sampled:
+        settings = DraftSampling(SamplingParams(**{k: v for k, v in r["sampling"].items() if k != "seed"}),
+                                 seed=r["sampling"]["seed"], return_probs=True)
+        want = engine.sample([r["token_ids"]], r["num_tokens"], [settings])[0]
+        assert s["draft_ids"] == want.tokens
+        if "draft_probs" in s:
+            assert s["draft_probs"] == pytest.approx(want.probs, abs=1e-6)
+    # without a seed, two equal requests draw independently
+    hot = {"token_ids": [5, 9, 33], "num_tokens": 16, "sampling": {"temperature": 1.5}}
+    assert httpx.post(url + "/draft", json=hot).json() != httpx.post(url + "/draft", json=hot).json()
 
 
 # ------------------------------------------------------------------------------------------ schemathesis
