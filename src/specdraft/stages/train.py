@@ -12,6 +12,13 @@ trains through the packer's 4-bit rounding.
 simulated acceptance), ``save_checkpoint`` (the best draft, in ``out/``) and ``save_resume_state`` (``out/last``,
 from which a killed run continues to the same weights as an uninterrupted one).
 
+Several processes (``torchrun`` / ``accelerate launch``, docs/scale.md) train one model with data parallelism
+(DDP, or FSDP from the accelerate config): rank r takes micro-batches r, r + n, r + 2n, ... of the same epoch
+order, so an optimizer step over n ranks with ``grad_accum`` g sees the micro-batches one process with
+``grad_accum`` g * n sees. Losses and token counts are summed over the ranks; every rank evaluates (FSDP needs all
+of them for a forward); only rank 0 writes the checkpoint, the records, the plot and the log, and each rank writes
+its own RNG state into ``last/``.
+
 Simulated acceptance is exact for greedy drafting: because held-out completions are the target's own
 greedy tokens, a 16-token greedy draft starting at offset o accepts exactly the leading run of
 positions where the draft's teacher-forced argmax equals the target token, so one forward pass per
@@ -20,6 +27,7 @@ sequence scores every offset. The score goes through ``AcceptanceStats``, as in 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -37,7 +45,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
@@ -132,9 +140,8 @@ class Run:
     cfg: TrainConfig
     out: Path
     accelerator: Accelerator
-    model: Any  # the draft, as accelerate prepared it
+    model: Any  # the draft, as accelerate prepared it (DDP / FSDP-wrapped on several processes)
     optimizer: Any
-    params: list[torch.nn.Parameter]  # the trained ones (frozen layers excluded): what the gradient clip sees
     tokenizer: Any
     pad_id: int
     teacher: Any  # the target, loaded for kd only (else None)
@@ -148,7 +155,8 @@ class TrainState:
     step: int = 0  # optimizer steps taken
     history: list[dict] = field(default_factory=list)  # one evaluate() record per evaluation
     best: dict | None = None  # the record of the checkpoint in out/
-    # label tokens and seconds of the steps taken, over every sitting (steps redone after an interruption counted once)
+    # label tokens (of every rank) and seconds of the steps taken, over every sitting (steps redone after an
+    # interruption counted once)
     train_tokens: int = 0
     train_seconds: float = 0.0
 
@@ -156,15 +164,36 @@ class TrainState:
 # ------------------------------------------------------------------------------------------- setup
 
 def setup(cfg: TrainConfig) -> Accelerator:
-    """Threads, precision (auto: bf16 on GPU, fp32 on CPU), gradient accumulation, and the seed."""
+    """Threads, precision (auto: bf16 on GPU, fp32 on CPU), gradient accumulation, the processes the launcher
+    started, and the seed."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     mixed = cfg.mixed_precision
     if mixed == "auto":
         mixed = "bf16" if torch.cuda.is_available() else "no"
-    accelerator = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=cfg.grad_accum)
+    launched = launched_processes()
+    # Without a GPU, accelerate joins the processes a launcher started only when told to run on the CPU; left
+    # alone, each rank would train on its own and every one of them would write the same files.
+    on_cpu = launched > 1 and not torch.cuda.is_available()
+    accelerator = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=cfg.grad_accum, cpu=on_cpu)
+    if accelerator.num_processes != launched:
+        raise ValueError(f"the launcher started {launched} processes (WORLD_SIZE) but accelerate joined "
+                         f"{accelerator.num_processes}: launch with torchrun or `accelerate launch` "
+                         "(docs/scale.md)")
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and \
+            accelerator.distributed_type != DistributedType.FSDP:
+        log.warning("the launcher asked for FSDP, but accelerate runs %s: it shards only on GPUs and other "
+                    "accelerators, so every rank holds the whole draft", accelerator.distributed_type.value)
     set_seed(cfg.seed)
     return accelerator
+
+
+def launched_processes() -> int:
+    """How many processes the launcher (torchrun, accelerate launch) started: its WORLD_SIZE, else 1."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) < 1:
+        raise ValueError(f"WORLD_SIZE={world!r}: expected a positive process count")
+    return int(world)
 
 
 def summary_path(records: str | Path) -> Path:
@@ -291,7 +320,8 @@ def make_batches(examples: list[Example], batch_tokens: int, seed: int, epoch: i
 
 def micro_batches(train: list[Example], cfg: TrainConfig, world: int, rank: int) -> Iterator[list[int]]:
     """This rank's micro-batches, epoch after epoch without end; each epoch is cut to whole optimizer steps
-    across the ranks."""
+    across the ranks. Rank r takes batches r, r + world, ...: the ranks' micro-batches are disjoint, and a step's
+    cfg.grad_accum * world of them are the ones a single process with that grad_accum takes for the same step."""
     for epoch in itertools.count():
         batches = make_batches(train, cfg.batch_tokens, cfg.seed, epoch)
         usable = len(batches) - len(batches) % (cfg.grad_accum * world)
@@ -397,7 +427,8 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], step: int) -> float:
             loss, _ = distill_loss(logits, batch["labels"], teacher_logits, cfg.kd_weight, cfg.kd_temperature)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
-            accelerator.clip_grad_norm_(run.params, cfg.clip_norm)
+            # all the model's parameters: frozen ones have no gradient, and FSDP clips only through its own list
+            accelerator.clip_grad_norm_(run.model.parameters(), cfg.clip_norm)
             for group in run.optimizer.param_groups:
                 group["lr"] = lr_at(step, run.total_steps, cfg)
         run.optimizer.step()  # accelerate skips it (and zero_grad) until the last micro-batch of the step
@@ -448,7 +479,8 @@ def heldout_loss(model, examples: Sequence[Example], pad_id: int, batch_size: in
 
 
 def evaluate(run: Run, heldout: Sequence[Example], step: int, train_loss: float | None) -> dict:
-    """The history record of one evaluation: held-out loss and simulated acceptance."""
+    """The history record of one evaluation: held-out loss and simulated acceptance. Every rank scores the same
+    held-out traces with the same weights (FSDP needs each rank's shard for a forward)."""
     unwrapped = run.accelerator.unwrap_model(run.model)
     stats = simulated_acceptance(unwrapped, heldout, run.cfg.num_draft, run.pad_id)
     record = {"step": step, "train_loss": train_loss,
@@ -467,8 +499,9 @@ def save_checkpoint(run: Run, record: dict, best: dict | None) -> dict | None:
     best record so far."""
     if best is not None and record["sim_accept"] <= best["sim_accept"]:
         return best
+    weights = run.accelerator.get_state_dict(run.model)  # on every rank: FSDP gathers the shards
     if run.accelerator.is_main_process:
-        run.accelerator.unwrap_model(run.model).save_pretrained(run.out, safe_serialization=True)
+        run.accelerator.unwrap_model(run.model).save_pretrained(run.out, state_dict=weights, safe_serialization=True)
         run.tokenizer.save_pretrained(run.out)
     return dict(record)
 
@@ -479,11 +512,13 @@ def save_resume_state(run: Run, state: TrainState) -> None:
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    accelerator.save_state(str(tmp))  # rank 0 the weights and optimizer, each rank its RNG state
+    accelerator.wait_for_everyone()  # every rank's file is in before the directory moves
     if accelerator.is_main_process:
         atomic_write_json(tmp / "trainer_state.json", {
             "step": state.step, "history": state.history, "best": state.best, "train_tokens": state.train_tokens,
-            "train_seconds": state.train_seconds, "config": run.cfg.to_json_dict()})
+            "train_seconds": state.train_seconds, "processes": accelerator.num_processes,
+            "config": run.cfg.to_json_dict()})
         shutil.rmtree(run.out / "last", ignore_errors=True)
         os.replace(tmp, run.out / "last")
 
@@ -500,6 +535,11 @@ def load_resume_state(run: Run) -> TrainState:
                          "--out or delete it")
     if saved["config"] != run.cfg.to_json_dict():
         raise ValueError(f"{last} was made with a different config; use a new --out or delete it")
+    # the global batch is grad_accum x processes: on another count the steps left would be other steps
+    processes = saved.get("processes", 1)  # states written before it was kept came from one process
+    if processes != run.accelerator.num_processes:
+        raise ValueError(f"{state_file}: made by {processes} process(es), resumed on "
+                         f"{run.accelerator.num_processes}; relaunch on {processes} or use a new --out")
     corrupt = weight_file_problems(last)
     if corrupt:
         raise ValueError(f"cannot resume: corrupt weight file: {'; '.join(corrupt)}; use a new --out or delete "
@@ -548,6 +588,9 @@ def train_meta(run: Run, data: TrainData, state: TrainState, *, init_source: dic
         "config": cfg.to_json_dict(),
         "steps": state.step,
         "total_steps": run.total_steps,
+        "processes": run.accelerator.num_processes,
+        "distributed": run.accelerator.distributed_type.value,
+        "micro_batches_per_step": cfg.grad_accum * run.accelerator.num_processes,
         "resumed_from_step": resumed_from_step,
         "train_tokens": state.train_tokens,
         "train_seconds": round(state.train_seconds, 1),
@@ -567,12 +610,21 @@ def _sha256_if_file(path: Path) -> str | None:
 
 # ------------------------------------------------------------------------------------------- loop
 
+def summed_over_ranks(accelerator: Accelerator, *values: float) -> list[float]:
+    """Each value summed over the processes (itself on one), in float64 so that token counts stay exact."""
+    if accelerator.num_processes == 1:
+        return list(values)
+    total = accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=accelerator.device), "sum")
+    return total.tolist()
+
+
 def train_loop(run: Run, data: TrainData, state: TrainState) -> int:
     """Optimizer steps from ``state.step`` to the last, evaluating and saving every eval_every steps and at the
-    end; the number of label tokens trained on."""
+    end; the number of label tokens trained on (over every rank)."""
     cfg, accelerator = run.cfg, run.accelerator
     run.model.train()
-    started, tokens_seen, running = time.time(), 0, []
+    started, tokens_seen = time.time(), 0  # tokens_seen: every rank's, summed at each evaluation
+    losses, tokens = [], 0  # this rank's micro-batch losses and label tokens since the last evaluation
     tokens_before, seconds_before = state.train_tokens, state.train_seconds
     bar = tqdm(total=run.total_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
     batches = micro_batches(data.train, cfg, accelerator.num_processes, accelerator.process_index)
@@ -581,48 +633,57 @@ def train_loop(run: Run, data: TrainData, state: TrainState) -> int:
         if state.step >= run.total_steps:
             break
         batch = collate([data.train[i] for i in batch_idx], run.pad_id, accelerator.device, cfg.kd_stored)
-        running.append(train_step(run, batch, state.step))
-        tokens_seen += int((batch["labels"] != -100).sum())
+        losses.append(train_step(run, batch, state.step))
+        tokens += int((batch["labels"] != -100).sum())
         if not accelerator.sync_gradients:
             continue
         state.step += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{sum(running) / len(running):.3f}",
-                        tok_s=f"{tokens_seen / max(1e-9, time.time() - started):.0f}")
+        bar.set_postfix(loss=f"{sum(losses) / len(losses):.3f}")  # rank 0's share of the window
         if state.step % cfg.eval_every == 0 or state.step == run.total_steps:
-            state.history.append(evaluate(run, data.heldout, state.step, sum(running) / len(running)))
-            running = []
+            # the window's mean micro-batch loss over every rank: what one process with the same global batch logs
+            loss_sum, loss_count, window_tokens = summed_over_ranks(accelerator, sum(losses), len(losses), tokens)
+            tokens_seen += int(window_tokens)
+            losses, tokens = [], 0
+            state.history.append(evaluate(run, data.heldout, state.step, loss_sum / loss_count))
             state.train_tokens = tokens_before + tokens_seen
             state.train_seconds = seconds_before + time.time() - started
             state.best = save_checkpoint(run, state.history[-1], state.best)
             save_resume_state(run, state)
-            plot_history(state.history, run.out / "train_curves.png", cfg.num_draft)
+            if accelerator.is_main_process:
+                plot_history(state.history, run.out / "train_curves.png", cfg.num_draft)
     bar.close()
     return tokens_seen
 
 
 def run_train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     accelerator = setup(cfg)
-    with stage_log(out / "train.log"), torch.enable_grad():
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+    else:  # rank 0 speaks for the run: the other ranks' lines would repeat its own
+        logging.getLogger("specdraft").setLevel(logging.WARNING)
+    accelerator.wait_for_everyone()
+    with (stage_log(out / "train.log") if accelerator.is_main_process else contextlib.nullcontext()), \
+            torch.enable_grad():
         target_spec = cfg.target or recorded_target(cfg.traces) or DEFAULT_TARGET
         model, tokenizer, init_source = build_init(cfg.init)
         check_tokenizer(tokenizer, target_spec)
         data = load_data(cfg, target_spec, model.config.vocab_size)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        params = trainable_parameters(model, cfg)
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        optimizer = torch.optim.AdamW(trainable_parameters(model, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                      betas=(0.9, 0.95))
         model, optimizer = accelerator.prepare(model, optimizer)
         teacher = load_teacher(target_spec, accelerator.device) if cfg.kd else None
         total_steps = count_steps(cfg, data.train, accelerator.num_processes)
-        run = Run(cfg=cfg, out=out, accelerator=accelerator, model=model, optimizer=optimizer, params=params,
-                  tokenizer=tokenizer, pad_id=pad_id, teacher=teacher, total_steps=total_steps)
+        run = Run(cfg=cfg, out=out, accelerator=accelerator, model=model, optimizer=optimizer, tokenizer=tokenizer,
+                  pad_id=pad_id, teacher=teacher, total_steps=total_steps)
 
         state = load_resume_state(run)
         log.info("train: %d examples (%d teacher-forced), %d held out, %d steps, init %s, target %s, kd=%s, "
-                 "resume from step %d", len(data.train), len(data.labelled), len(data.heldout), total_steps,
-                 cfg.init, target_spec, "stored top-K" if cfg.kd_stored else cfg.kd, state.step)
+                 "resume from step %d, %d process(es) (%s)", len(data.train), len(data.labelled), len(data.heldout),
+                 total_steps, cfg.init, target_spec, "stored top-K" if cfg.kd_stored else cfg.kd, state.step,
+                 accelerator.num_processes, accelerator.distributed_type.value)
         if state.step == 0 and not state.history:  # score the init, the first best: training must beat it
             state.history.append(evaluate(run, data.heldout, step=0, train_loss=None))
             state.best = save_checkpoint(run, state.history[-1], state.best)
@@ -632,6 +693,7 @@ def run_train(cfg: TrainConfig) -> dict:
         meta = train_meta(run, data, state, init_source=init_source, target_spec=target_spec,
                           resumed_from_step=resumed_from_step, tokens_seen=tokens_seen,
                           seconds=time.time() - started)
+        accelerator.wait_for_everyone()  # the last checkpoint is complete on disk before it is hashed
         if accelerator.is_main_process:
             meta["checkpoint_weights_sha256"] = weights_sha256(out)
             atomic_write_json(out / "train_meta.json", meta)
