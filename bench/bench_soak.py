@@ -9,12 +9,21 @@ Mixes (clients of each class, closed loop; a client waits 1 s after a 503 unless
   misbehaving the mixed ones + 2 clients sending malformed bodies and 2 abandoning 3,000-token requests after
               0.5 s, not waiting after a 503
   long        8 long clients only
+  short_probs, short_sampled
+              the short mix with every request asking for draft_probs: greedy (``return_probs``), and sampled
+              (temperature 0.7, top-p 0.9, a seed per request, ``return_probs``); each against ``short``, the
+              greedy call, by the ratio of median latencies and of throughput (goal: probabilities within 10%)
+
+  .venv/bin/python bench/bench_soak.py --model-dir runs/demo/model --mixes short short_probs short_sampled \
+      --duration 60 --short-clients 8
 
 Per client class: status codes, answered per second, p50/p99 of the answered; the server's RSS at start, after
 the warm-up, at its peak and at the end; and the exit code and seconds of a SIGTERM sent while the clients still
 run. The goal figures (short clients in `mixed` against `short`: throughput >= 70%, p99 <= 2x) are computed at
 the end. Contexts are random token ids of the draft's vocabulary (what costs is their length, not their words).
-The server runs with `specdraft serve`'s defaults unless --serve-args says otherwise.
+The server runs with `specdraft serve`'s defaults unless --serve-args says otherwise. Every request of a mix is
+the same kind of call, so a variant's cost shows in the iterations all its rows share (in a mix of kinds the greedy
+rows would pay for the sampled ones beside them, and the ratio would hide it).
 """
 
 from __future__ import annotations
@@ -47,8 +56,19 @@ MIXES = {
     "mixed": {"short": 24, "long": 4},
     "misbehaving": {"short": 24, "long": 4, "malformed": 2, "abandoning": 2},
     "long": {"long": 8},
+    "short_probs": {"short_probs": 24},
+    "short_sampled": {"short_sampled": 24},
 }
-CONTEXTS = {"short": (16, 300), "long": (2000, 4000), "abandoning": (3000, 3000), "malformed": (16, 64)}
+SHORT_KINDS = ("short", "short_probs", "short_sampled")  # the classes --short-clients sets
+CONTEXTS = {"short": (16, 300), "short_probs": (16, 300), "short_sampled": (16, 300), "long": (2000, 4000),
+            "abandoning": (3000, 3000), "malformed": (16, 64)}
+# what each class adds to {"token_ids", "num_tokens"}; a sampled request also gets a seed of its own
+REQUEST_FIELDS: dict[str, dict[str, Any]] = {
+    "short_probs": {"return_probs": True},
+    "short_sampled": {"return_probs": True, "sampling": {"temperature": 0.7, "top_p": 0.9}},
+}
+# the variants measured against the greedy call (`short`), and the goal on their median latency
+VARIANT_GOAL_P50_RATIO = 1.10
 BAD_BODIES = [b'{"token_ids": [1, 2', b'{"token_ids": "x"}', b'{"num_tokens": 99}', b"[]",
               b'{"token_ids": [1.5, -2]}', b'{"token_ids": [1], "extra": true}']
 
@@ -86,14 +106,17 @@ async def client(url: str, kind: str, vocab: int, seed: int, stop: asyncio.Event
                                         headers={"content-type": "application/json"})
                 else:
                     ids = [rng.randrange(vocab) for _ in range(rng.randint(low, high))]
-                    r = await http.post("/draft", json={"token_ids": ids, "num_tokens": 16})
+                    body = {"token_ids": ids, "num_tokens": 16, **REQUEST_FIELDS.get(kind, {})}
+                    if "sampling" in body:
+                        body["sampling"] = {**body["sampling"], "seed": rng.randrange(2**31)}
+                    r = await http.post("/draft", json=body)
                 status: int | str = r.status_code
             except httpx.TimeoutException:
                 status = "gave up" if kind == "abandoning" else "client timeout"
             except httpx.HTTPError as e:
                 status = type(e).__name__
             record.append((kind, status, time.perf_counter() - started, time.monotonic()))
-            if status == 503 and kind in ("short", "long"):
+            if status == 503 and kind in (*SHORT_KINDS, "long"):
                 try:
                     await asyncio.wait_for(stop.wait(), 1.0)
                 except asyncio.TimeoutError:
@@ -171,12 +194,32 @@ def run_mix(name: str, classes: dict[str, int], args, vocab: int) -> dict[str, A
     return result
 
 
+def variant_goals(by_mix: dict[str, Any]) -> dict[str, Any]:
+    """Each probability variant against the greedy call: median latency and throughput ratios, and the goal."""
+    if "short" not in by_mix:
+        return {}
+    greedy = by_mix["short"]["classes"]["short"]
+    goals: dict[str, Any] = {}
+    for variant in ("short_probs", "short_sampled"):
+        if variant not in by_mix:
+            continue
+        v = by_mix[variant]["classes"][variant]
+        ratio = v["p50_s"] / greedy["p50_s"] if v["p50_s"] and greedy["p50_s"] else None
+        goals[f"{variant}_p50_ratio"] = ratio
+        goals[f"{variant}_throughput_ratio"] = (v["answered_per_s"] / greedy["answered_per_s"]
+                                                if greedy["answered_per_s"] else None)
+        goals[f"{variant}_p50_within_goal"] = None if ratio is None else ratio <= VARIANT_GOAL_P50_RATIO
+    return goals
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", required=True, help="the packed draft to serve (e.g. runs/demo/model)")
     ap.add_argument("--duration", type=int, default=300, help="seconds of traffic per mix")
     ap.add_argument("--warmup", type=int, default=60, help="seconds after which RSS must stay flat")
     ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
+    ap.add_argument("--short-clients", type=int, default=None,
+                    help="short clients in every mix (default: each mix's own, 24)")
     ap.add_argument("--serve-args", default="", help="extra `specdraft serve` options, e.g. '--threads 1'")
     ap.add_argument("--work", default="runs/bench_soak", help="where the servers' logs go")
     ap.add_argument("--out", default="runs/bench_soak/soak.json")
@@ -185,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     vocab = int(load_config(args.model_dir).vocab_size)
-    results = [run_mix(name, MIXES[name], args, vocab) for name in args.mixes]
+    mixes = {name: {kind: (args.short_clients if kind in SHORT_KINDS and args.short_clients else n)
+                    for kind, n in MIXES[name].items()} for name in args.mixes}
+    results = [run_mix(name, mixes[name], args, vocab) for name in args.mixes]
     by_mix = {r["mix"]: r for r in results}
     goals = {}
     if "short" in by_mix and "mixed" in by_mix:
@@ -193,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         goals = {"short_throughput_kept": mixed["answered_per_s"] / alone["answered_per_s"]
                  if alone["answered_per_s"] else None,
                  "short_p99_ratio": mixed["p99_s"] / alone["p99_s"] if alone["p99_s"] and mixed["p99_s"] else None}
+    goals.update(variant_goals(by_mix))
     report = {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), "results": results,
               "goals": goals, "machine": os.uname().nodename, **run_metadata()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

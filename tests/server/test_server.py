@@ -336,6 +336,7 @@ def test_openapi_documents_the_limits(live):
     assert props["return_probs"]["type"] == "boolean" and props["return_probs"]["default"] is False
     assert props["top_alternatives"]["maximum"] == 64 and props["top_alternatives"]["minimum"] == 0
     assert "return_probs" in props["top_alternatives"]["description"]
+    assert {"properties": {"return_probs": {"const": True}}, "required": ["return_probs"]} in req["anyOf"]
     assert props["sampling"]["anyOf"][0]["$ref"] == "#/components/schemas/SamplingRequest"
     sampling = schemas["SamplingRequest"]
     assert sampling["additionalProperties"] is False

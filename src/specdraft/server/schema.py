@@ -112,7 +112,11 @@ def draft_request_model(vocab_size: int, max_context: int, num_draft: int) -> ty
     return create_model(
         "DraftRequest",
         __config__=ConfigDict(extra="forbid", json_schema_extra={
-            "example": {"token_ids": [1, 2, 3], "num_tokens": min(num_draft, 16)}}),
+            "example": {"token_ids": [1, 2, 3], "num_tokens": min(num_draft, 16)},
+            # top_alternatives > 0 needs return_probs: true, in the schema too, so that clients generated from it
+            # (and schemathesis) know
+            "anyOf": [{"properties": {"top_alternatives": {"const": 0}}},
+                      {"properties": {"return_probs": {"const": True}}, "required": ["return_probs"]}]}),
         token_ids=(Annotated[list[token_id], Strict(), Field(
             min_length=1, max_length=max_context,
             description=f"context token ids, 1..{max_context} of them, each in [0, {vocab_size - 1}]; JSON "
