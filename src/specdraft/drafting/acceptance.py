@@ -3,6 +3,9 @@
 
 Every point holds a context and the target's next 16 greedy tokens; the accepted length is the longest prefix
 of the draft equal to them (greedy verification, ``drafting.metrics.accepted_length``).
+
+At temperature (``evaluate_at_temperatures``): the expected accepted length of speculative sampling, computed
+from the target's and the drafter's distributions, without sampling noise.
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ import math
 import time
 from typing import Any, Mapping, Sequence
 
+import torch
 from tqdm import tqdm
 
 from specdraft.core.records import ValidationPoint, parse_point
-from specdraft.drafting.base import Drafter, DrafterError
-from specdraft.drafting.metrics import AcceptanceStats
+from specdraft.drafting.base import DraftDistributions, Drafter, DrafterError
+from specdraft.drafting.batched import path_logits
+from specdraft.drafting.metrics import AcceptanceStats, ExpectedAcceptanceStats
+from specdraft.model.sampling import SamplingParams, warp_probs
 
 MEANS_NOTE = ("mean_accepted_pooled = mean over all evaluation points (each point counts once); "
               "mean_accepted_per_prompt = mean over prompts of each prompt's own mean (each prompt counts "
@@ -47,20 +53,16 @@ def evaluate_drafter(drafter: Drafter, points: Sequence[ValidationPoint | Mappin
     name, per-point accepted lengths and call latency. ``points`` may be ``ValidationPoint`` objects or
     validation.jsonl dicts. Drafts shorter than k (lookup) are fine: missing tokens count as rejected.
     """
-    pts = [p if isinstance(p, ValidationPoint) else parse_point(p, k, f"point {i}") for i, p in enumerate(points)]
-    if not pts:
-        raise ValueError("no evaluation points")
+    pts = _parse_points(points, k)
     if batch_size is None:
-        batch_size = 4 * getattr(drafter, "concurrency", 4)
+        batch_size = 4 * drafter.concurrency
     stats = AcceptanceStats(k=k)
     accepted: list[int] = []
     call_seconds: list[float] = []
-    take = getattr(drafter, "take_latencies", None)
-    if take:
-        take()  # drop latencies of earlier, unrelated calls
+    drafter.take_latencies()  # drop latencies of earlier, unrelated calls
     bar = None
     if progress:
-        bar = tqdm(total=len(pts), desc=f"eval {getattr(drafter, 'name', 'drafter')}", unit="pt")
+        bar = tqdm(total=len(pts), desc=f"eval {drafter.name}", unit="pt")
     started = time.perf_counter()
     for start in range(0, len(pts), batch_size):
         chunk = pts[start:start + batch_size]
@@ -77,11 +79,11 @@ def evaluate_drafter(drafter: Drafter, points: Sequence[ValidationPoint | Mappin
     wall = time.perf_counter() - started
     if bar:
         bar.close()
-    per_request = take() if take else []
+    per_request = drafter.take_latencies()
     latency = (latency_summary(per_request, "request (one context)") if per_request
                else latency_summary(call_seconds, f"call (up to {batch_size} contexts)"))
     report = {
-        "drafter": getattr(drafter, "name", type(drafter).__name__),
+        "drafter": drafter.name,
         **stats.summary(),
         "means_note": MEANS_NOTE,
         # reached[i] = points with the first i+1 tokens accepted; conditional_support[i] = points that
@@ -96,3 +98,69 @@ def evaluate_drafter(drafter: Drafter, points: Sequence[ValidationPoint | Mappin
                       for p, a in zip(pts, accepted)],
     }
     return report
+
+
+def _parse_points(points: Sequence[ValidationPoint | Mapping[str, Any]], k: int) -> list[ValidationPoint]:
+    pts = [p if isinstance(p, ValidationPoint) else parse_point(p, k, f"point {i}") for i, p in enumerate(points)]
+    if not pts:
+        raise ValueError("no evaluation points")
+    return pts
+
+
+TEMPERATURE_NOTE = (
+    "Expected accepted length of speculative sampling, from distributions (no sampling noise): at position i, "
+    "alpha_i = sum_x min(p_i(x), q_i(x)) (the chance the target keeps a token drawn from the draft's q_i, its "
+    "distribution p_i warped the same way), and the expected accepted length is sum_k prod_(i<=k) alpha_i. "
+    "Approximation: p_i and q_i are taken along the point's reference continuation (the target's greedy tokens, "
+    "teacher-forced), not along the tokens a sampled run would have kept. At temperature 0, p_i is the one-hot of "
+    "the reference token, and the figures equal greedy acceptance exactly. A drafter that does not sample "
+    "(prompt lookup) offers its k-token draft at the point, q one-hot; no proposal: alpha = 0.")
+
+
+def temperature_key(temperature: float) -> str:
+    """A temperature as the reports key it: "0.0", "0.7", "1.0"."""
+    return str(float(temperature))
+
+
+def acceptance_probabilities(p: torch.Tensor | Sequence[int], q: DraftDistributions) -> list[float]:
+    """alpha_i = sum_x min(p_i(x), q_i(x)) per position. ``p``: [n, V] probabilities, or the reference token ids
+    (p one-hot: alpha_i = q_i(reference token))."""
+    support, probs = q.support.cpu(), q.probs.float().cpu()
+    if isinstance(p, torch.Tensor):
+        p = p.float().cpu()
+        if support.numel() and int(support.max()) >= p.shape[-1]:  # draft ids past the target's vocab: p = 0
+            p = torch.nn.functional.pad(p, (0, int(support.max()) + 1 - p.shape[-1]))
+        p_on_support = p.gather(1, support)
+    else:
+        p_on_support = (support == torch.tensor([int(t) for t in p])[: len(support), None]).float()
+    return torch.minimum(p_on_support, probs).sum(-1).tolist()
+
+
+def evaluate_at_temperatures(drafter: Drafter, target, points: Sequence[ValidationPoint | Mapping[str, Any]],
+                             temperatures: Sequence[float], k: int = 16, *, top_p: float = 1.0, top_k: int = 0,
+                             progress: bool = False) -> dict[str, Any]:
+    """Acceptance under sampling at each temperature (``TEMPERATURE_NOTE``): per position and pooled.
+
+    ``target``: the transformers model whose greedy continuations the points hold (one forward per point gives p
+    at every temperature); None when every temperature is 0. ``drafter.path_probs`` gives q (one forward per point
+    for a model drafter).
+    """
+    pts = _parse_points(points, k)
+    settings = [SamplingParams(temperature=t, top_p=top_p, top_k=top_k) for t in temperatures]
+    if target is None and not all(s.greedy for s in settings):
+        raise ValueError("acceptance at temperature > 0 needs the target's distributions: give the target")
+    stats = {t: ExpectedAcceptanceStats(k=k) for t in temperatures}
+    per_point: list[dict[str, Any]] = []
+    for point in (tqdm(pts, desc=f"eval {drafter.name} at temperature", unit="pt") if progress else pts):
+        reference = point.target_ids[:k]
+        qs = drafter.path_probs(point.context_ids, reference, settings)
+        logits = None if all(s.greedy for s in settings) else path_logits(target, point.context_ids, reference)
+        row: dict[str, Any] = {"id": point.id, "offset": point.offset}
+        for t, params, q in zip(temperatures, settings, qs):
+            p = reference if params.greedy else warp_probs(logits, params)
+            alphas = acceptance_probabilities(p, q)
+            row[temperature_key(t)] = stats[t].add(alphas, prompt_id=point.id)
+        per_point.append(row)
+    return {"what": TEMPERATURE_NOTE, "drafter": drafter.name, "k": k, "top_p": top_p, "top_k": top_k,
+            "temperatures": {temperature_key(t): {"temperature": t, **stats[t].summary()} for t in temperatures},
+            "per_point": per_point}

@@ -102,12 +102,14 @@ class Drafter(ABC):
         return [DraftDistributions.one_hot(d) for d in self.draft(contexts, num_tokens)]
 
     def path_probs(self, context: Sequence[int], continuation: Sequence[int],
-                   params: SamplingParams) -> DraftDistributions:
-        """Row i: q of the token after ``context + continuation[:i]``, for i < len(continuation) (``ids``: the
-        drafter's own choice there). Here: a drafter that does not sample drafts once, at ``context``; row i is
-        its i-th token one-hot (q = 0 past the end of its draft) -- what one speculative step would offer."""
+                   settings: Sequence[SamplingParams]) -> list[DraftDistributions]:
+        """For each of ``settings`` (one forward serves them all): row i is q of the token after ``context +
+        continuation[:i]``, for i < len(continuation) (``ids``: the drafter's most likely token there). Here: a
+        drafter that does not sample drafts once, at ``context``, whatever the settings; row i is its i-th token
+        one-hot (q = 0 past the end of its draft) -- what one speculative step would offer."""
         n = len(continuation)
-        return DraftDistributions.one_hot(self.draft_one(context, n)[:n], n)
+        one_hot = DraftDistributions.one_hot(self.draft_one(context, n)[:n], n)
+        return [one_hot for _ in settings]
 
     def reset(self) -> None:
         """A new sequence starts: forget per-sequence state (a kept KV cache). Stateless drafters keep nothing."""

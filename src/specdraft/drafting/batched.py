@@ -65,12 +65,14 @@ class ModelDrafter(Drafter):
             return super().draft_with_probs(contexts, num_tokens, params, generator)
         return [sample_draft(self.model, c, num_tokens, params, generator) for c in contexts]
 
-    def path_probs(self, context, continuation, params):
-        return teacher_forced(self.model, context, continuation, params)
+    def path_probs(self, context, continuation, settings):
+        return teacher_forced(self.model, context, continuation, settings)
 
 
 def teacher_forced(model, context: Sequence[int], continuation: Sequence[int],
-                   params: SamplingParams) -> DraftDistributions:
-    """A model's q at every prefix of ``continuation`` (``ids``: its most likely token there)."""
+                   settings: Sequence[SamplingParams]) -> list[DraftDistributions]:
+    """A model's q at every prefix of ``continuation`` under each of ``settings`` (``ids``: its most likely token
+    there), from one forward."""
     logits = path_logits(model, context, continuation)
-    return DraftDistributions.full(logits.argmax(-1).tolist(), warp_probs(logits, params))
+    ids = logits.argmax(-1).tolist()
+    return [DraftDistributions.full(ids, warp_probs(logits, params)) for params in settings]

@@ -101,8 +101,8 @@ class CachedDraftModel(Drafter):
             return super().draft_with_probs(contexts, num_tokens, params, generator)
         return [DraftDistributions.full(*self._draft_one(c, num_tokens, params, generator)) for c in contexts]
 
-    def path_probs(self, context, continuation, params):
-        return teacher_forced(self.model, context, continuation, params)
+    def path_probs(self, context, continuation, settings):
+        return teacher_forced(self.model, context, continuation, settings)
 
     @torch.inference_mode()
     def _draft_one(self, context: Sequence[int], k: int, params: SamplingParams = GREEDY,

@@ -68,13 +68,13 @@ class HybridDrafter(Drafter):
                 out[i] = d
         return out
 
-    def path_probs(self, context, continuation, params):
+    def path_probs(self, context, continuation, settings):
         """Where lookup answers at ``context`` its draft drives the whole step (q one-hot), else the model's."""
         n = len(continuation)
         found = lookup_draft(context, n, self.max_ngram, self.min_ngram)
         if found:
-            return DraftDistributions.one_hot(found, n)
-        return self.model_drafter.path_probs(context, continuation, params)
+            return [DraftDistributions.one_hot(found, n) for _ in settings]
+        return self.model_drafter.path_probs(context, continuation, settings)
 
     def reset(self) -> None:
         self.model_drafter.reset()

@@ -94,3 +94,61 @@ class AcceptanceStats:
             "conditional_acceptance": self.conditional_acceptance(),
             "per_category": self.per_category(),
         }
+
+
+# ------------------------------------------------------------------------------ acceptance at temperature
+
+def expected_accepted_length(alphas: Sequence[float]) -> float:
+    """sum_k prod_{i<=k} alpha_i: the expected accepted length of one speculative step when token i is kept with
+    probability alpha_i once tokens 1..i-1 were (speculative sampling keeps it with sum_x min(p_i(x), q_i(x)))."""
+    total, reach = 0.0, 1.0
+    for a in alphas:
+        reach *= a
+        total += reach
+    return total
+
+
+@dataclass
+class ExpectedAcceptanceStats:
+    """Accumulates per-position acceptance probabilities alpha_1..alpha_k of evaluation points; sums first,
+    ratios at the end. With 0/1 alphas (greedy) every figure equals ``AcceptanceStats``'."""
+
+    k: int = 16
+    points: int = 0
+    expected_total: float = 0.0
+    reach_sums: list[float] = field(default_factory=list)  # sum over points of P(tokens 1..i all kept)
+    alpha_sums: list[float] = field(default_factory=list)  # sum over points of alpha_i
+    by_prompt: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def __post_init__(self):
+        self.reach_sums = self.reach_sums or [0.0] * self.k
+        self.alpha_sums = self.alpha_sums or [0.0] * self.k
+
+    def add(self, alphas: Sequence[float], *, prompt_id: str = "") -> float:
+        if len(alphas) != self.k:
+            raise ValueError(f"got {len(alphas)} acceptance probabilities, need k={self.k}")
+        reach = 1.0
+        for i, a in enumerate(alphas):
+            reach *= a
+            self.reach_sums[i] += reach
+            self.alpha_sums[i] += a
+        expected = expected_accepted_length(alphas)
+        self.points += 1
+        self.expected_total += expected
+        self.by_prompt[prompt_id].append(expected)
+        return expected
+
+    def summary(self) -> dict:
+        n = self.points
+        cumulative = [r / n if n else 0.0 for r in self.reach_sums]
+        previous = [float(n)] + self.reach_sums[:-1]
+        means = [sum(v) / len(v) for v in self.by_prompt.values() if v]
+        return {
+            "points": n,
+            "mean_expected_accepted_pooled": self.expected_total / n if n else 0.0,
+            "mean_expected_accepted_per_prompt": sum(means) / len(means) if means else 0.0,
+            "expected_cumulative_acceptance": cumulative,
+            # P(token i kept | tokens < i kept), pooled: the ratio of consecutive reach sums (0 where none reach)
+            "expected_conditional_acceptance": [r / p if p else 0.0 for r, p in zip(self.reach_sums, previous)],
+            "mean_alpha": [a / n if n else 0.0 for a in self.alpha_sums],
+        }

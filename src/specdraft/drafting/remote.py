@@ -38,7 +38,7 @@ def sampling_request(context: Sequence[int], num_tokens: int, params: SamplingPa
     """The ``POST /draft`` body for a draft sampled under ``params``, with every alternative the server gives."""
     alternatives = params.top_k if 0 < params.top_k <= MAX_TOP_ALTERNATIVES else MAX_TOP_ALTERNATIVES
     return {"token_ids": [int(t) for t in context], "num_tokens": int(num_tokens),
-            "sampling": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "sampling": {"temperature": float(params.temperature), "top_p": float(params.top_p), "top_k": params.top_k,
                          "seed": seed},
             "return_probs": True, "top_alternatives": 0 if params.greedy else alternatives}
 
@@ -138,9 +138,9 @@ class HTTPDrafter(Drafter):
                    else [self._post(b) for b in bodies])
         return [parse_sampled(a, f"{self.url}/draft") for a in answers]
 
-    def path_probs(self, context, continuation, params):
-        if params.greedy:
-            return super().path_probs(context, continuation, params)
+    def path_probs(self, context, continuation, settings):
+        if all(params.greedy for params in settings):
+            return super().path_probs(context, continuation, settings)
         raise DrafterError(f"{self.url}: the server answers sampled drafts, not its distribution along a given "
                            "continuation; load the pack it serves in process for acceptance at temperature")
 

@@ -1,6 +1,8 @@
 """Speculative decoding timed against plain greedy, side by side in one run (the ``speculate`` stage and the
 benchmarks): every (drafter, k) on every prompt, in an order rotated per prompt so that machine noise spreads
-evenly, each output checked against plain greedy."""
+evenly, each output checked against plain greedy. Under sampling the same runs are timed against plain sampling
+in the same loop; outputs then differ by design (speculative sampling is lossless in distribution:
+tests/drafting/test_speculative_sampling.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
 from tqdm import tqdm
 
 from specdraft.drafting.base import Drafter, NoDraft
 from specdraft.drafting.prediction import predict_speedups
 from specdraft.drafting.speculative import SpecGeneration, first_mismatch, speculative_generate
+from specdraft.model.sampling import GREEDY, SamplingParams
 from specdraft.model.targets import as_target
 
 log = logging.getLogger(__name__)
@@ -86,7 +90,7 @@ def timed(fn):
 def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], prompts: Sequence[Prompt],
                           ks: Sequence[int], max_new_tokens: int, warmup: bool = True,
                           progress: bool = False, clock: str = "wall", repeats: int = 1,
-                          predict: bool = False) -> dict[str, Any]:
+                          predict: bool = False, sampling: SamplingParams = GREEDY, seed: int = 0) -> dict[str, Any]:
     """Time plain greedy and every (drafter, k) on every prompt; check each output against greedy.
 
     ``target``: a ``TargetModel`` of any engine, or a transformers model. Per prompt: the target's plain greedy
@@ -101,9 +105,21 @@ def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], pro
     it is counted, with where it parts (``equal_to_plain_greedy`` per drafter and k).
     ``predict``: afterwards, each speed-up predicted from the target's measured costs and a replay of each
     drafter (``drafting.prediction``), beside the measured one (``predicted_speedup`` per drafter and k).
+    ``sampling`` at temperature > 0: every run samples (drafts from each drafter's distribution), the baseline is
+    plain sampling in the same loop, nothing is compared with greedy and nothing predicted (the prediction models
+    greedy acceptance); each run's generator is seeded from ``seed``, the pass and the prompt.
     """
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
+    sampled = not sampling.greedy
+    predict = predict and not sampled
+
+    def generate(drafter: Drafter, ids: list[int], max_new: int, k: int, run_seed: int) -> SpecGeneration:
+        if not sampled:
+            return speculative_generate(target, drafter, ids, max_new, k, eos)
+        return speculative_generate(target, drafter, ids, max_new, k, eos, sampling,
+                                    torch.Generator().manual_seed(run_seed))
+
     target = as_target(target)
     eos = set(target.eos_ids)
     baseline = ("baseline", NoDraft(), 1)
@@ -112,7 +128,7 @@ def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], pro
         warm = prompts[0].ids
         target.greedy(warm, min(8, max_new_tokens))
         for _, drafter, k in runs:
-            speculative_generate(target, drafter, warm, min(8, max_new_tokens), k, eos)
+            generate(drafter, warm, min(8, max_new_tokens), k, seed)
     reference = SpeculationTotals()
     totals = {(name, k): SpeculationTotals() for name, _, k in runs}
     per_pass = [{(name, k): SpeculationTotals() for name, _, k in runs} for _ in range(repeats)]
@@ -121,25 +137,29 @@ def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], pro
     order = [(r, i, p) for r in range(repeats) for i, p in enumerate(prompts)]
     iterator = tqdm(order, desc="speculate", unit="prompt") if progress else order
     for rep, i, prompt in iterator:
-        if i not in references:
+        if i not in references and not sampled:
             ref, wall, cpu = timed(lambda: target.greedy(prompt.ids, max_new_tokens))
             reference.add(ref, wall, cpu)
             references[i] = (ref, wall)
-        ref, ref_wall = references[i]
-        row = {"id": prompt.id, "prompt_tokens": len(prompt.ids), "new_tokens": len(ref.tokens),
-               "finish_reason": ref.finish_reason, "greedy_decode_seconds": ref_wall, "runs": {}}
+        run_seed = seed + rep * len(prompts) + i  # the same for every drafter of this prompt and pass
+        if sampled:
+            row = {"id": prompt.id, "prompt_tokens": len(prompt.ids), "seed": run_seed, "runs": {}}
+        else:
+            ref, ref_wall = references[i]
+            row = {"id": prompt.id, "prompt_tokens": len(prompt.ids), "new_tokens": len(ref.tokens),
+                   "finish_reason": ref.finish_reason, "greedy_decode_seconds": ref_wall, "runs": {}}
         if repeats > 1:
             row["repeat"] = rep
         shift = (i + rep) % len(runs)
         for name, drafter, k in runs[shift:] + runs[:shift]:
-            looked_up = getattr(drafter, "lookup_used", None)
-            gen, wall, cpu = timed(lambda: speculative_generate(target, drafter, prompt.ids, max_new_tokens, k, eos))
+            looked_up = drafter.lookup_used
+            gen, wall, cpu = timed(lambda: generate(drafter, prompt.ids, max_new_tokens, k, run_seed))
             for tot in (totals[(name, k)], per_pass[rep][(name, k)]):
                 tot.add(gen, wall, cpu)
                 if looked_up is not None:
                     tot.lookup_steps = (tot.lookup_steps or 0) + drafter.lookup_used - looked_up
-            bad = first_mismatch(gen.tokens, ref.tokens)
-            if bad is not None or gen.finish_reason != ref.finish_reason:
+            bad = None if sampled else first_mismatch(gen.tokens, ref.tokens)
+            if not sampled and (bad is not None or gen.finish_reason != ref.finish_reason):
                 totals[(name, k)].mismatches += 1
                 mismatches.append({"prompt": prompt.id, "drafter": name, "k": k, "first_mismatch": bad,
                                    "greedy_tokens": len(ref.tokens), "speculative_tokens": len(gen.tokens)})
@@ -148,7 +168,7 @@ def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], pro
                     "MISMATCH" if target.exact else "differs from plain greedy:", prompt.id, name, k, bad)
             key = "baseline" if name == "baseline" else f"{name}/k={k}"
             row["runs"][key] = {"seconds": wall, "cpu_seconds": cpu, "steps": gen.steps, "accepted": gen.accepted,
-                                "drafted": gen.drafted}
+                                "drafted": gen.drafted, **({"new_tokens": len(gen.tokens)} if sampled else {})}
         rows.append(row)
     base = totals[("baseline", 1)]
     results: dict[str, dict[str, Any]] = {}
@@ -176,21 +196,24 @@ def run_speculation_bench(target, drafters: list[tuple[str, Drafter, dict]], pro
     return {
         "clock": clock,
         "repeats": repeats,
-        "baseline": {"what": "plain greedy in the same loop (no drafts: one target forward per token), "
-                             "alternated with the speculative runs",
+        "sampling": ({"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                      "seed": seed} if sampled else None),
+        "baseline": {"what": f"plain {'sampling' if sampled else 'greedy'} in the same loop (no drafts: one target "
+                             "forward per token), alternated with the speculative runs",
                      "tokens": base.tokens, "seconds": base.seconds, "cpu_seconds": base.cpu_seconds,
                      "tokens_per_s": base_rates[clock], "tokens_per_s_wall": base_rates["wall"],
                      "tokens_per_s_cpu": base_rates["cpu"], "mismatches": base.mismatches},
-        "greedy_decode": {"what": "the target's plain greedy decoding at batch 1 (torch: specdraft.model.decode."
-                                  "greedy_decode): the reference tokens",
-                          "tokens": reference.tokens, "seconds": reference.seconds,
-                          "tokens_per_s": ref_rates[clock], "tokens_per_s_wall": ref_rates["wall"],
-                          "tokens_per_s_cpu": ref_rates["cpu"]},
+        "greedy_decode": None if sampled else {
+            "what": "the target's plain greedy decoding at batch 1 (torch: specdraft.model.decode.greedy_decode): "
+                    "the reference tokens",
+            "tokens": reference.tokens, "seconds": reference.seconds, "tokens_per_s": ref_rates[clock],
+            "tokens_per_s_wall": ref_rates["wall"], "tokens_per_s_cpu": ref_rates["cpu"]},
         "drafters": results,
         "engine": target.engine,
         "exact_engine": target.exact,
         "mismatches": mismatches,
-        "lossless": not mismatches,
+        # sampled outputs are not compared with anything (lossless in distribution, not token for token)
+        "lossless": None if sampled else not mismatches,
         "prediction": prediction,
         "per_prompt": rows,
     }
