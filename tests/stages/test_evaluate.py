@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from specdraft.core.io import RecordFileError
 from specdraft.core.records import ValidationPoint, load_validation
 from specdraft.drafting.acceptance import evaluate_drafter, percentile
-from specdraft.drafting.base import DrafterError
+from specdraft.drafting.base import Drafter, DrafterError
 from specdraft.drafting.batched import ModelDrafter
 from specdraft.drafting.lookup import LookupDrafter, lookup_draft
 from specdraft.drafting.remote import HTTPDrafter
@@ -24,7 +24,7 @@ def _load(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Returns a fixed draft per context (keyed by the context's first token)."""
 
     name = "scripted"
@@ -238,8 +238,9 @@ def test_run_eval_lookup_writes_report(tmp_path):
     points = _lookup_points()
     v = _write_validation(tmp_path / "validation.jsonl", points)
     out = tmp_path / "report"
-    assert run_eval(EvalConfig(validation=v, out=out, lookup=True)) == 0
+    assert run_eval(EvalConfig(validation=v, out=out, lookup=True, temperatures=[])) == 0
     report = json.loads((out / "report.json").read_text())
+    assert report["acceptance_at_temperature"] is None
     expect = evaluate_drafter(LookupDrafter(), points, k=16)
     for key in ("mean_accepted_pooled", "mean_accepted_per_prompt", "histogram", "per_category",
                 "cumulative_acceptance", "conditional_acceptance"):
@@ -267,10 +268,20 @@ def test_cli_eval_model_dir(tiny_qwen3_dir, tmp_path):
     v = _write_validation(tmp_path / "validation.jsonl", points)
     out = tmp_path / "r"
     assert main(["eval", "--validation", str(v), "--model-dir", str(tiny_qwen3_dir), "--out", str(out),
-                 "--batch-size", "2"]) == 0
+                 "--batch-size", "2", "--target", str(tiny_qwen3_dir), "--temperatures", "0", "--temperatures",
+                 "0.7"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert [p["accepted"] for p in report["per_point"]] == [16, 7, 16, 7, 16]
     assert report["drafter_source"]["format"] == "hf"
+    # the target as its own draft: temperature 0 is the greedy figure exactly; at 0.7 q = p wherever the
+    # continuation is the target's own (every position of the even points), so all 16 are expected there
+    section = report["acceptance_at_temperature"]
+    assert [p["0.0"] for p in section["per_point"]] == [16, 7, 16, 7, 16]
+    assert section["temperatures"]["0.0"]["mean_expected_accepted_pooled"] == report["mean_accepted_pooled"]
+    assert [p["0.7"] for p in section["per_point"]][0::2] == pytest.approx([16] * 3, abs=1e-4)
+    assert (out / "acceptance_per_position_T0.7.png").is_file()
+    md = (out / "report.md").read_text()
+    assert "Acceptance at temperature" in md and "| 0.7 |" in md
 
 
 def test_hybrid_drafter_recomputed_point_by_point(tiny_qwen3_dir, tmp_path):
@@ -290,7 +301,7 @@ def test_hybrid_drafter_recomputed_point_by_point(tiny_qwen3_dir, tmp_path):
     v = _write_validation(tmp_path / "validation.jsonl", points)
     out = tmp_path / "r"
     assert main(["eval", "--validation", str(v), "--model-dir", str(tiny_qwen3_dir), "--out", str(out),
-                 "--hybrid-min-ngram", "2"]) == 0
+                 "--hybrid-min-ngram", "2", "--target", str(tiny_qwen3_dir)]) == 0
     report = json.loads((out / "report.json").read_text())
     expect, looked_up = [], 0
     for p in points:
@@ -328,3 +339,28 @@ def test_run_eval_hybrid_over_http_sends_only_what_lookup_cannot_answer(fake_ser
     assert report["latency"]["unit"].startswith("request") and report["latency"]["calls"] == 4
     assert report["drafter_source"] == {"kind": "hybrid", "min_ngram": 2,
                                         "model": {"kind": "http", "url": fake_server}}
+    # the server answers drafts, not distributions: acceptance at temperature is skipped, and says why
+    assert report["acceptance_at_temperature"]["skipped"]["temperatures"] == [0.0, 0.7, 1.0]
+    assert "--pack-dir" in (out / "report.md").read_text()
+
+
+def test_run_eval_server_at_temperature_uses_the_served_pack_in_process(fake_server, tiny_qwen3_dir, tmp_path):
+    """--server with --pack-dir: greedy figures from the server, the distributions at temperature from the pack
+    loaded here (and the report says so); the same figures as --model-dir on that pack computes."""
+    target = _load(tiny_qwen3_dir)
+    rng = random.Random(9)
+    points = []
+    for i in range(4):
+        ctx = [rng.randrange(3, 300) for _ in range(5 + i)]
+        points.append(ValidationPoint(f"p{i}", "x", 0, ctx, naive_greedy(target, ctx, 16, stop_at_eos=False).tokens))
+    v = _write_validation(tmp_path / "validation.jsonl", points)
+    common = dict(validation=v, target=str(tiny_qwen3_dir), temperatures=[0.7], plots=False)
+    assert run_eval(EvalConfig(server=fake_server, pack_dir=tiny_qwen3_dir, out=tmp_path / "s", **common)) == 0
+    assert run_eval(EvalConfig(model_dir=tiny_qwen3_dir, out=tmp_path / "m", **common)) == 0
+    served, local = (json.loads((tmp_path / d / "report.json").read_text())["acceptance_at_temperature"]
+                     for d in ("s", "m"))
+    assert served["temperatures"] == local["temperatures"]
+    assert served["draft_distributions"]["served_by"] == fake_server
+    assert "the pack the server serves" in (tmp_path / "s" / "report.md").read_text()
+    with pytest.raises(ValueError, match="--pack-dir names the pack a --server serves"):
+        EvalConfig(model_dir=tiny_qwen3_dir, pack_dir=tiny_qwen3_dir, out=tmp_path, validation=v)

@@ -5,6 +5,12 @@ scores the drafter's k tokens against them. This stage picks the drafter -- the 
 (``HTTPDrafter``), a draft model in process (``model.loader.load_draft``: a packed QD04 dir or an HF
 checkpoint dir) or model-free prompt lookup, optionally behind lookup (``HybridDrafter``) -- and writes
 ``report.json``, ``report.md`` and PNG plots.
+
+Acceptance at temperature (``--temperatures``, ``drafting.acceptance.evaluate_at_temperatures``): the expected
+accepted length of speculative sampling from the target's distributions (``--target``, one forward per point) and
+the drafter's along each point's reference continuation. The draft server answers sampled drafts, not
+distributions, so with ``--server`` the drafter's distributions come from the pack it serves loaded here
+(``--pack-dir``).
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ from specdraft.core.config import StageConfig
 from specdraft.core.io import RecordFileError, atomic_write_json, atomic_write_text, sha256_file
 from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.core.records import load_validation
-from specdraft.drafting.acceptance import evaluate_drafter
+from specdraft.drafting.acceptance import evaluate_at_temperatures, evaluate_drafter
+from specdraft.drafting.base import Drafter
 from specdraft.drafting.batched import ModelDrafter
 from specdraft.drafting.hybrid import HybridDrafter
 from specdraft.drafting.lookup import LookupDrafter
 from specdraft.drafting.remote import HTTPDrafter
-from specdraft.model.device import DEVICE_HELP
+from specdraft.model.device import DEVICE_HELP, resolve_device
 from specdraft.model.loader import load_draft
+from specdraft.model.sampling import SamplingParams
+from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_model
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +64,19 @@ class EvalConfig(StageConfig):
         None, ge=1, le=4, description="with --server or --model-dir: prompt lookup first wherever the context's "
                                       "last N (or more, up to 4) tokens occurred before, the model only elsewhere "
                                       "(reported as its own drafter)")
+    temperatures: list[float] = Field(
+        [0.0, 0.7, 1.0], description="acceptance at temperature: the expected accepted length of speculative "
+                                     "sampling at each (0 = greedy, equal to the greedy figures); an empty list "
+                                     "skips it")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="acceptance at temperature: nucleus sampling for target "
+                                                          "and draft alike (1: off)")
+    top_k: int = Field(0, ge=0, description="acceptance at temperature: top-k for target and draft alike (0: off)")
+    target: str = Field(DEFAULT_TARGET, description="the target the validation points come from (its greedy "
+                                                    "continuations): its distributions give acceptance at "
+                                                    "temperature > 0 (loaded in float32 on --device)")
+    pack_dir: Path | None = Field(None, description="with --server: the pack the server serves, loaded here (with "
+                                                    "--compute) for the draft's distributions at temperature > 0; "
+                                                    "without it --server reports temperature 0 only")
 
     @model_validator(mode="after")
     def _one_drafter(self):
@@ -66,26 +88,77 @@ class EvalConfig(StageConfig):
         if self.lookup and self.hybrid_min_ngram is not None:
             raise ValueError("--hybrid-min-ngram puts lookup in front of a model: use it with --server or "
                              "--model-dir, not --lookup")
+        if self.pack_dir is not None and not self.server:
+            raise ValueError("--pack-dir names the pack a --server serves; without --server use --model-dir")
+        for t in self.temperatures:
+            SamplingParams(temperature=t, top_p=self.top_p, top_k=self.top_k)  # its own checks, with the value
         return self
 
+    @property
+    def distributions_unknown(self) -> bool:
+        """A server without --pack-dir: the draft's distributions are out of reach (its greedy figures stand for
+        temperature 0)."""
+        return bool(self.server) and self.pack_dir is None
 
-def build_drafter(config: EvalConfig):
-    """(drafter, source description) for the one drafter the config names."""
+
+def build_drafter(config: EvalConfig, model_dir: Path | None = None) -> tuple[Drafter, dict]:
+    """(drafter, source description) for the one drafter the config names; with ``model_dir``, that model in
+    process in place of the server (the served pack, for acceptance at temperature)."""
 
     if config.lookup:
         return LookupDrafter(), {"kind": "lookup"}
-    if config.server:
+    if config.server and model_dir is None:
         drafter, source = (HTTPDrafter(config.server, config.concurrency, config.timeout_s),
                            {"kind": "http", "url": config.server})
     else:
-        model, source = load_draft(config.model_dir, config.compute, device=config.device)
-        name = f"{source['format']}:{Path(config.model_dir).name}"
+        model_dir = Path(model_dir or config.model_dir)
+        model, source = load_draft(model_dir, config.compute, device=config.device)
+        name = f"{source['format']}:{model_dir.name}"
         drafter, source = (ModelDrafter(model, name=name, max_batch_size=config.batch_size),
                            {"kind": "in-process", **source})
     if config.hybrid_min_ngram is not None:
         drafter = HybridDrafter(drafter, min_ngram=config.hybrid_min_ngram)
         source = {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "model": source}
     return drafter, source
+
+
+def acceptance_at_temperature(config: EvalConfig, drafter: Drafter, source: dict, points) -> dict[str, Any] | None:
+    """``evaluate_at_temperatures`` for the configured drafter (the served pack in process for a server), with
+    where the distributions came from; None without temperatures."""
+    temperatures = list(config.temperatures)
+    if not temperatures:
+        return None
+    if config.distributions_unknown:
+        log.warning("acceptance at temperature skipped: a draft server answers sampled drafts, not its "
+                    "distributions; give --pack-dir (the pack it serves)")
+        return {"temperatures": {}, "skipped": {
+            "temperatures": temperatures,
+            "why": "a draft server answers sampled drafts, not its distributions: give --pack-dir (the pack it "
+                   "serves) to compute them in process"}}
+    in_process = None
+    if config.server and config.pack_dir is not None:
+        in_process, source = build_drafter(config, config.pack_dir)
+        in_process.name = drafter.name
+        source = {**source, "served_by": config.server,
+                  "note": f"the draft's distributions come from the pack the server serves ({config.pack_dir}), "
+                          f"loaded in process with compute {config.compute}"}
+    target = None
+    if any(t > 0 for t in temperatures):
+        target = load_model(config.target, dtype=torch.float32, device=resolve_device(config.device))
+        vocab = target.config.vocab_size
+        for p in points:
+            if max(p.context_ids + p.target_ids) >= vocab:
+                raise RecordFileError(f"{config.validation}: point {p.id!r} (offset {p.offset}) has a token id >= "
+                                      f"the target's vocab size {vocab} ({config.target})")
+    try:
+        result = evaluate_at_temperatures(in_process or drafter, target, points, temperatures, config.k,
+                                          top_p=config.top_p, top_k=config.top_k, progress=True)
+    finally:
+        if in_process is not None:
+            in_process.close()
+    result["draft_distributions"] = source
+    result["target"] = describe_source(config.target) if target is not None else None
+    return result
 
 
 # ------------------------------------------------------------------------------------------ reports
@@ -119,10 +192,41 @@ def report_markdown(report: Mapping[str, Any], title: str = "Draft acceptance") 
     lines += ["", "## Per category", "", "| category | points | mean accepted |", "|---|---|---|"]
     for cat, row in report["per_category"].items():
         lines.append(f"| {cat} | {row['points']} | {row['mean_accepted']:.3f} |")
+    lines += temperature_markdown(report.get("acceptance_at_temperature"))
     plots = report.get("plots") or []
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def temperature_markdown(section: Mapping[str, Any] | None) -> list[str]:
+    """The acceptance-at-temperature tables: pooled per temperature, then per position."""
+    if not section:
+        return []
+    skipped = section.get("skipped")
+    if skipped:
+        return ["", "## Acceptance at temperature", "",
+                f"Not computed (temperatures {', '.join(f'{t:g}' for t in skipped['temperatures'])}): "
+                f"{skipped['why']}."]
+    k, rows = section["k"], section["temperatures"]
+    source = section.get("draft_distributions") or {}
+    lines = ["", "## Acceptance at temperature (expected, from distributions)", "",
+             f"top-p {section['top_p']:g}, top-k {section['top_k']} for target and draft alike."
+             + (f" {source['note']}." if source.get("note") else ""), "",
+             f"| temperature | expected accepted, pooled (of {k}) | per-prompt mean | P(all {k} accepted) |",
+             "|---|---|---|---|"]
+    for key, row in rows.items():
+        lines.append(f"| {key} | {row['mean_expected_accepted_pooled']:.3f} | "
+                     f"{row['mean_expected_accepted_per_prompt']:.3f} | "
+                     f"{row['expected_cumulative_acceptance'][-1]:.3f} |")
+    lines += ["", "Expected P(tokens 1..i all accepted) per position:", "",
+              "| position | " + " | ".join(f"T = {key}" for key in rows) + " |",
+              "|---|" + "---|" * len(rows)]
+    for i in range(k):
+        lines.append(f"| {i + 1} | " + " | ".join(f"{row['expected_cumulative_acceptance'][i]:.3f}"
+                                                 for row in rows.values()) + " |")
+    lines += ["", f"_{section['what']}_"]
+    return lines
 
 
 def write_plots(report: Mapping[str, Any], out: Path) -> list[str]:
@@ -140,6 +244,13 @@ def write_plots(report: Mapping[str, Any], out: Path) -> list[str]:
                         annotate={c: f"{r['mean_accepted']:.2f} (n={r['points']})"
                                   for c, r in report["per_category"].items()}),
     ]
+    section = report.get("acceptance_at_temperature") or {"temperatures": {}}
+    for key, row in section["temperatures"].items():
+        if row["temperature"] > 0:  # temperature 0 is the greedy plot above
+            files.append(plots.plot_acceptance_per_position(
+                row["expected_cumulative_acceptance"], row["expected_conditional_acceptance"],
+                out / f"acceptance_per_position_T{key}.png",
+                f"expected acceptance per position at temperature {key}: {name}"))
     return [p.name for p in files]
 
 
@@ -153,9 +264,8 @@ def run_eval(config: EvalConfig) -> int:
         log.info("%d points from %s", len(points), config.validation)
         drafter, source = build_drafter(config)
         try:
-            model = getattr(drafter, "model", None)
-            if model is not None:
-                vocab = model.config.vocab_size
+            vocab = drafter.vocab_size
+            if vocab is not None:
                 for p in points:
                     if max(p.context_ids) >= vocab:
                         raise RecordFileError(f"{config.validation}: point {p.id!r} (offset {p.offset}) has "
@@ -165,13 +275,14 @@ def run_eval(config: EvalConfig) -> int:
                                           batch_size=(4 * config.concurrency if config.server
                                                       else config.batch_size),
                                           progress=True)
+            if drafter.lookup_used is not None:  # counted by the greedy pass alone
+                report["hybrid"] = {"min_ngram": config.hybrid_min_ngram, "lookup_points": drafter.lookup_used,
+                                    "model_points": drafter.model_used}
+            with torch.inference_mode():
+                report["acceptance_at_temperature"] = acceptance_at_temperature(config, drafter, source, points)
         finally:
-            if hasattr(drafter, "close"):
-                drafter.close()
+            drafter.close()
         report["drafter_source"] = source
-        if hasattr(drafter, "lookup_used"):
-            report["hybrid"] = {"min_ngram": drafter.min_ngram, "lookup_points": drafter.lookup_used,
-                                "model_points": drafter.model_used}
         report["plots"] = write_plots(report, out) if config.plots else []
         atomic_write_text(out / "report.md", report_markdown(report))
         report["provenance"] = {
@@ -186,6 +297,9 @@ def run_eval(config: EvalConfig) -> int:
         log.info("%s: pooled %.3f, per-prompt %.3f (of %d) over %d points; latency p50 %.1f ms p99 %.1f ms per %s",
                  report["drafter"], report["mean_accepted_pooled"], report["mean_accepted_per_prompt"], config.k,
                  report["points"], lat["p50_ms"], lat["p99_ms"], lat["unit"])
+        section = report["acceptance_at_temperature"] or {"temperatures": {}}
+        at_temperature = "".join(f", at temperature {key} {row['mean_expected_accepted_pooled']:.3f}"
+                                 for key, row in section["temperatures"].items() if row["temperature"] > 0)
         print(f"{report['drafter']}: mean accepted (of {config.k}) pooled {report['mean_accepted_pooled']:.3f}, "
-              f"per-prompt {report['mean_accepted_per_prompt']:.3f}; report in {out}")
+              f"per-prompt {report['mean_accepted_per_prompt']:.3f}{at_temperature}; report in {out}")
     return 0
