@@ -514,3 +514,39 @@ def test_repeats_report_the_speedup_of_every_pass(tmp_path, tiny_qwen3_dir):
         assert row["speedup_range"] == [min(passes), max(passes)]
         assert min(passes) <= row["speedup_median"] <= max(passes)
     assert "median" in (tmp_path / "o" / "speculate.md").read_text()
+
+
+def test_run_speculate_at_temperature_samples_against_plain_sampling(tmp_path, tiny_qwen3_dir, tiny_llama_dir, models):
+    """--temperature: the same prompts and passes, drafts sampled from each drafter, the baseline plain sampling;
+    seeded, so a run recomputed by hand with the recorded seeds gives the same counts."""
+    from specdraft.model.sampling import SamplingParams
+
+    target, draft = models
+    cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts=_prompt_file(tmp_path),
+                          out=tmp_path / "o", max_new_tokens=10, k=[2], warmup=False, draft_compute="float32",
+                          draft_cache="reprefill", hybrid_min_ngram=None, predict=True, temperature=0.8, top_k=40,
+                          seed=3)
+    assert run_speculate(cfg) == 0
+    report = json.loads((tmp_path / "o" / "speculate.json").read_text())
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 1.0, "top_k": 40, "seed": 3}
+    assert report["lossless"] is None and report["greedy_decode"] is None and report["prediction"] is None
+    assert set(report["drafters"]) == {"draft", "lookup"}
+    prompts = load_prompts(cfg.prompts, AutoTokenizer.from_pretrained(tiny_qwen3_dir))
+    params = SamplingParams(temperature=0.8, top_k=40)
+    gens = [speculative_generate(target, ModelDrafter(draft, max_batch_size=1), p.ids, 10, 2, sampling=params,
+                                 generator=torch.Generator().manual_seed(row["seed"]))
+            for p, row in zip(prompts, report["per_prompt"])]
+    row = report["drafters"]["draft"]["per_k"]["2"]
+    assert row["tokens"] == sum(len(g.tokens) for g in gens)
+    assert row["acceptance_rate"] == pytest.approx(sum(g.accepted for g in gens) / sum(g.drafted for g in gens))
+    md = (tmp_path / "o" / "speculate.md").read_text()
+    assert "# Speculative sampling (temperature 0.8" in md and "Plain sampling" in md
+
+
+def test_temperature_is_refused_where_sampling_cannot_be_lossless():
+    with pytest.raises(ValueError, match="llama.cpp: its target gives greedy tokens only"):
+        SpeculateConfig(draft="lookup", prompts="p", engine="llama.cpp", temperature=0.7)
+    with pytest.raises(ValueError, match="--top-k in 1..64"):
+        SpeculateConfig(draft="http://127.0.0.1:8000", prompts="p", temperature=0.7)
+    assert SpeculateConfig(draft="http://127.0.0.1:8000", prompts="p", temperature=0.7, top_k=40).sampling.top_k == 40
+    assert SpeculateConfig(draft="lookup", prompts="p", engine="llama.cpp").sampling.greedy

@@ -1,4 +1,6 @@
-"""`specdraft speculate`: lossless greedy speculative decoding at batch 1, timed against plain greedy.
+"""`specdraft speculate`: lossless speculative decoding at batch 1, timed against plain decoding: greedy, or
+sampled (``--temperature``, ``--top-p``, ``--top-k``, ``--seed``: drafts drawn from each drafter's distribution,
+speculative sampling's acceptance rule, against plain sampling in the same loop; torch engine only).
 
 The algorithm is ``drafting.speculative.speculative_generate``; ``drafting.timing`` runs it for every drafter
 and k against plain greedy in the same loop and checks every output against plain greedy (a mismatch is an
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from transformers import AutoTokenizer
 
 from specdraft.core import plots
@@ -37,11 +39,10 @@ from specdraft.drafting.calibration import DEFAULT_DRAFT_CONFIDENCE
 from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM, HybridDrafter
 from specdraft.drafting.llamacpp import LlamaCppDrafter, LlamaCppNgramDrafter
 from specdraft.drafting.lookup import LookupDrafter
-from specdraft.drafting.remote import HTTPDrafter
+from specdraft.drafting.remote import MAX_TOP_ALTERNATIVES, HTTPDrafter
 from specdraft.drafting.timing import Prompt, run_speculation_bench
 from specdraft.model.chat import encode_prompts
 from specdraft.model.device import DEVICE_HELP, resolve_device
-from specdraft.model.lean import CompiledSteps
 from specdraft.model.llamacpp import (
     LlamaCppTarget,
     batched_against_sequential,
@@ -51,6 +52,7 @@ from specdraft.model.llamacpp import (
     vocab_compatible,
 )
 from specdraft.model.loader import load_draft
+from specdraft.model.sampling import SamplingParams
 from specdraft.model.specs import (
     DEFAULT_TARGET,
     describe_source,
@@ -140,6 +142,17 @@ class SpeculateConfig(StageConfig):
     repeats: int = Field(1, ge=1, le=100, description="passes over the prompts (each drafter and k also reports its "
                                                       "speed-up per pass: median and range)")
     note: str | None = Field(None, description="a line for speculate.md, e.g. what the draft is")
+    temperature: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False,
+        description="0: greedy (every output equal to plain greedy); > 0: speculative sampling at this temperature "
+                    "(drafts drawn from each drafter's distribution, warped like the target's), against plain "
+                    "sampling in the same loop; torch engine only")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="with --temperature: nucleus sampling for target and "
+                                                          "drafts alike (1: off)")
+    top_k: int = Field(0, ge=0, description="with --temperature: keep the top_k most likely tokens, target and "
+                                            "drafts alike (0: off)")
+    seed: int = Field(0, ge=0, description="with --temperature: seeds each run's generator (with the pass and the "
+                                           "prompt; the same for every drafter)")
     hybrid_min_ngram: int | None = Field(
         DEFAULT_HYBRID_MIN_NGRAM, ge=1, le=4,
         description="with a draft model or server: also run it behind prompt lookup ('<name>+lookup'): lookup's "
@@ -154,6 +167,23 @@ class SpeculateConfig(StageConfig):
         """``draft_confidence``, or the stop rule's default when it is unset."""
         conf = self.draft_confidence
         return DEFAULT_DRAFT_CONFIDENCE[rule] if conf is None else conf
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+    @model_validator(mode="after")
+    def _sampling_supported(self):
+        if self.temperature > 0 and self.engine == "llama.cpp":
+            raise ValueError("--temperature > 0 with --engine llama.cpp: its target gives greedy tokens only (no "
+                             "probabilities to accept sampled drafts with); use --engine torch or --temperature 0")
+        if (self.temperature > 0 and self.draft.startswith(("http://", "https://"))
+                and not 0 < self.top_k <= MAX_TOP_ALTERNATIVES):
+            raise ValueError(f"--temperature > 0 with a draft server: the server answers at most "
+                             f"{MAX_TOP_ALTERNATIVES} alternatives per token, so the draft's distribution is known "
+                             "whole (and speculative sampling lossless) only with --top-k in "
+                             f"1..{MAX_TOP_ALTERNATIVES}")
+        return self
 
     @field_validator("also_draft")
     @classmethod
@@ -364,6 +394,18 @@ def speculate_markdown(report: dict[str, Any]) -> str:
                   f"{report['prompts']} prompts, max {cfg['max_new_tokens']} new tokens, {report['threads']} threads. "
                   "Baseline: llama.cpp's own plain decoding of the same file (one token per pass), in the same run.",
                   ""]
+    elif report.get("sampling"):
+        sampling = report["sampling"]
+        header = [f"# Speculative sampling (temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g}, "
+                  f"top-k {sampling['top_k']}, batch 1)", "",
+                  f"Target `{cfg['target']}`, draft `{cfg['draft']}`, {report['prompts']} prompts, "
+                  f"max {cfg['max_new_tokens']} new tokens, target dtype {cfg['dtype']}, "
+                  f"draft compute {cfg['draft_compute']}, torch threads {report['threads']}; seed {sampling['seed']}. "
+                  "Every drafter's tokens are drawn from its own distribution under the same settings as the "
+                  "target's; each is kept with probability min(1, p/q), a refused one replaced from "
+                  "max(0, p - q): the output is distributed as plain sampling from the target.", "",
+                  "Baseline: specdraft's own engine (torch) sampling the target plainly, one forward per token, in "
+                  f"the same run (target dtype {cfg['dtype']}).", ""]
     else:
         header = ["# Speculative decoding (greedy, lossless, batch 1)", "",
                   f"Target `{cfg['target']}`, draft `{cfg['draft']}`, {report['prompts']} prompts, "
@@ -398,11 +440,17 @@ def speculate_markdown(report: dict[str, Any]) -> str:
 def _results_markdown(result: dict[str, Any]) -> list[str]:
     """One engine run's tables: the baseline, every drafter and k, the spread over passes, the prediction."""
     base, exact = result["baseline"], result.get("exact_engine", True)
-    lines = [f"Plain greedy (same decode loop with no drafts, same run, alternated per prompt): "
-             f"**{base['tokens_per_s']:.2f} tokens/s** ({base['tokens']} tokens; wall {base['tokens_per_s_wall']:.2f}"
-             f", CPU {base['tokens_per_s_cpu']:.2f} tokens/s); the reference decode: "
-             f"{result['greedy_decode']['tokens_per_s']:.2f} tokens/s.", ""]
-    if exact:
+    sampled = bool(result.get("sampling"))
+    lines = [f"Plain {'sampling' if sampled else 'greedy'} (same decode loop with no drafts, same run, alternated "
+             f"per prompt): **{base['tokens_per_s']:.2f} tokens/s** ({base['tokens']} tokens; wall "
+             f"{base['tokens_per_s_wall']:.2f}, CPU {base['tokens_per_s_cpu']:.2f} tokens/s)"
+             + ("." if sampled else f"; the reference decode: {result['greedy_decode']['tokens_per_s']:.2f} "
+                                    "tokens/s."), ""]
+    if sampled:
+        lines.append("Sampled outputs differ from run to run by design; the sampler's output distribution is "
+                     "checked against plain sampling in tests/drafting/test_speculative_sampling.py. Acceptance = "
+                     "drafted tokens kept by the probabilistic rule.")
+    elif exact:
         lines.append(f"Output identical to plain greedy for every prompt, drafter and k: "
                      f"**{'yes' if result['lossless'] else 'NO (' + str(len(result['mismatches'])) + ' mismatches)'}"
                      "**.")
@@ -482,12 +530,7 @@ def prediction_markdown(prediction: dict[str, Any]) -> list[str]:
 
 def _compile_errors(drafters: list[tuple[str, Drafter, dict]]) -> dict[str, str]:
     """{drafter: why torch.compile failed} for compiled drafts that fell back to eager steps."""
-    errors = {}
-    for name, drafter, _ in drafters:
-        steps = getattr(getattr(drafter, "model_drafter", drafter), "lean", None)
-        if isinstance(steps, CompiledSteps) and steps.error:
-            errors[name] = steps.error
-    return errors
+    return {name: drafter.compile_error for name, drafter, _ in drafters if drafter.compile_error}
 
 
 def _load_target(config: SpeculateConfig, tokenizer, prompts: list[Prompt], stack: ExitStack
@@ -571,7 +614,8 @@ def run_speculate(config: SpeculateConfig) -> int:
                  [d[0] for d in drafters], config.k, config.max_new_tokens)
         result = run_speculation_bench(target, drafters, prompts, config.k, config.max_new_tokens,
                                        warmup=config.warmup, progress=True, clock=config.clock,
-                                       repeats=config.repeats, predict=config.predict)
+                                       repeats=config.repeats, predict=config.predict, sampling=config.sampling,
+                                       seed=config.seed)
         threads = _llama_threads(config) if config.engine == "llama.cpp" else torch.get_num_threads()
         report: dict[str, Any] = {"config": config.to_json_dict(), "note": config.note, "prompts": len(prompts),
                                   "threads": threads, "target": target_source, **result,
@@ -602,8 +646,9 @@ def run_speculate(config: SpeculateConfig) -> int:
         atomic_write_json(out / "speculate.json", report)
         base = result["baseline"]["tokens_per_s"]
         for name, res in result["drafters"].items():
+            plain = "sampling" if config.temperature else "greedy"
             msg = (f"{name}: best k={res['best_k']} {res['best_tokens_per_s']:.2f} tok/s = "
-                   f"{res['best_speedup']:.2f}x plain greedy ({base:.2f} tok/s, {config.clock} clock, "
+                   f"{res['best_speedup']:.2f}x plain {plain} ({base:.2f} tok/s, {config.clock} clock, "
                    f"{config.engine})")
             log.info(msg)
             print(msg)
