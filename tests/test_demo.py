@@ -188,6 +188,34 @@ def test_the_summary_says_what_the_draft_saw_and_what_its_numbers_mean(tmp_path,
     assert reference is not None and "| default |" in reference and "| full |" in reference and reference in text
 
 
+def _at_temperature(**pooled):
+    return {"acceptance_at_temperature": {"temperatures": {
+        key: {"temperature": float(key), "mean_expected_accepted_pooled": v} for key, v in pooled.items()}}}
+
+
+def test_the_acceptance_table_has_columns_at_temperature(tmp_path, monkeypatch):
+    """Eval's temperatures above 0 as columns, filled from each report's acceptance at temperature; '-' where a
+    report has none (the untrained init, the draft behind lookup)."""
+    files = {"eval/trained/report.json": {**STUB_FILES["eval/trained/report.json"],
+                                          **_at_temperature(**{"0.0": 0.71, "0.7": 0.93, "1.0": 1.02})},
+             "eval/self/report.json": {**STUB_FILES["eval/self/report.json"],
+                                       **_at_temperature(**{"0.0": 14.9, "0.7": 12.25, "1.0": 11.5})}}
+    run, _, stages = _stub_run(tmp_path, monkeypatch, files=files)
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path())))
+    text = (run / "demo_summary.md").read_text()
+    assert demo.SUMMARY_TEMPERATURES == ["0.7", "1.0"]
+    assert "| per-prompt mean | sampling at T = 0.7 | sampling at T = 1.0 | what it is |" in text
+    assert "| trained draft | 0.71 | 0.70 | 0.93 | 1.02 |" in text
+    assert "| self-draft | 14.90 | 14.80 | 12.25 | 11.50 |" in text
+    assert "| untrained init | 0.57 | 0.60 | - | - |" in text
+    # the served draft's distributions come from its pack in process; the marker follows the temperatures
+    assert "from the pack the server serves, loaded in process" in text
+    assert stages["eval_trained"]["fingerprint"]["temperatures"] == [0.0, 0.7, 1.0]
+    for name, temperatures in (("eval_self", [0.0, 0.7, 1.0]), ("eval_lookup", [0.0, 0.7, 1.0]), ("eval_init", [])):
+        fingerprint = stages[name]["fingerprint"]
+        assert fingerprint["temperatures"] == temperatures and fingerprint["target"] == demo.DEFAULT_TARGET
+
+
 def test_without_llama_cpp_the_summary_quotes_its_speed_and_says_how_to_measure_it(tmp_path, monkeypatch):
     _benchmarks(tmp_path, monkeypatch, {"demo-budgets": "| budget | ... |", "llama-cpp-speed": "| llama rows |"})
     run, _, _ = _stub_run(tmp_path, monkeypatch)

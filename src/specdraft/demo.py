@@ -28,6 +28,7 @@ from specdraft.core.config import StageConfig
 from specdraft.core.io import atomic_write_json, atomic_write_text, read_json
 from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.data.corpus import heldout_path
+from specdraft.drafting.acceptance import temperature_key
 from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM
 from specdraft.drafting.prediction import TargetCosts, ceiling
 from specdraft.model.compat import PipelineModels, check_pipeline_models
@@ -276,9 +277,12 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path, init_spec: str, fr
 
     validation = run_dir / "validation" / "validation.jsonl"
     reports: dict[str, dict] = {}
-    for name, kwargs in (("init", {"model_dir": run_dir / "init"}), ("lookup", {"lookup": True}),
+    # Acceptance at temperature for the drafters the summary's table reports it for (the target loaded by each eval);
+    # the untrained init and the draft behind lookup at greedy only.
+    for name, kwargs in (("init", {"model_dir": run_dir / "init", "temperatures": []}), ("lookup", {"lookup": True}),
                          ("self", {"model_dir": run_dir / "model_self", "compute": "int4", "threads": cfg.threads})):
-        ecfg = EvalConfig(validation=validation, out=run_dir / "eval" / name, device=cfg.device, **kwargs)
+        ecfg = EvalConfig(validation=validation, out=run_dir / "eval" / name, device=cfg.device, target=cfg.target,
+                          **kwargs)
         _stage(run_dir, f"eval_{name}", ecfg.to_json_dict(), lambda ecfg=ecfg: run_eval(ecfg))
         reports[name] = read_json(run_dir / "eval" / name / "report.json")
 
@@ -290,16 +294,20 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path, init_spec: str, fr
             ok, detail = server.wait_ready(300)
             if not ok:
                 raise RuntimeError(f"draft server did not start: {detail}")
-            ecfg = EvalConfig(validation=validation, server=server.url, out=run_dir / "eval" / "trained")
+            # at temperature: the distributions of the pack the server serves, loaded here as it runs it (int4)
+            ecfg = EvalConfig(validation=validation, server=server.url, out=run_dir / "eval" / "trained",
+                              pack_dir=run_dir / "model", compute="int4", target=cfg.target, device=cfg.device,
+                              threads=cfg.threads)
             exit_code = run_eval(ecfg)
             # The same server behind prompt lookup (the lookup runs here, in the client, never in the server).
             hcfg = EvalConfig(validation=validation, server=server.url, out=run_dir / "eval" / "trained_lookup",
-                              hybrid_min_ngram=DEFAULT_HYBRID_MIN_NGRAM)
+                              hybrid_min_ngram=DEFAULT_HYBRID_MIN_NGRAM, temperatures=[])
             return max(exit_code, run_eval(hcfg))
         finally:
             server.stop()
     _stage(run_dir, "eval_trained", {"model": str(run_dir / "model"), "validation": str(validation),
-                                     "train": train_cfg.to_json_dict(), "hybrid_min_ngram": DEFAULT_HYBRID_MIN_NGRAM},
+                                     "train": train_cfg.to_json_dict(), "hybrid_min_ngram": DEFAULT_HYBRID_MIN_NGRAM,
+                                     "temperatures": EvalConfig.model_fields["temperatures"].default},
            eval_served)
     reports["trained"] = read_json(run_dir / "eval" / "trained" / "report.json")
     reports["trained_lookup"] = read_json(run_dir / "eval" / "trained_lookup" / "report.json")
@@ -423,7 +431,10 @@ def _data_facts(run_dir: Path) -> dict[str, Any]:
 def _acceptance(report: dict) -> dict:
     keys = ("mean_accepted_pooled", "mean_accepted_per_prompt", "points")
     source = report.get("acceptance", report)
-    return {k: source.get(k) for k in keys}
+    section = report.get("acceptance_at_temperature") or {}
+    return {**{k: source.get(k) for k in keys},
+            "at_temperature": {key: row["mean_expected_accepted_pooled"]
+                               for key, row in (section.get("temperatures") or {}).items()}}
 
 
 def _speculate_summary(spec: dict) -> dict:
@@ -480,6 +491,8 @@ DRAFTERS = {
     "self": ("self-draft", "the target's own weights packed to 4 bits, untrained: the CPU reference"),
     "init": ("untrained init", "the draft before training (the target's layers it keeps, unchanged)"),
 }
+# The temperatures the acceptance table has a column for: eval's own (temperature 0 is the greedy column)
+SUMMARY_TEMPERATURES = [temperature_key(t) for t in EvalConfig.model_fields["temperatures"].default if t > 0]
 SPECULATE_NAMES = {"draft": "trained", "draft+lookup": "trained_lookup", "lookup": "lookup", "self": "self"}
 # What each drafter is in llama.cpp (the names `speculate --engine llama.cpp` gives them)
 LLAMA_CPP_DRAFTERS = {
@@ -705,15 +718,23 @@ def summary_markdown(summary: dict) -> str:
              f"{data.get('eval_prompts')} prompts of {summary['eval_set']['kind']} "
              f"({summary['eval_set']['path']}), never trained on.", "",
              "## Acceptance: how many of 16 drafted tokens the target keeps", "",
-             "| drafter | accepted of 16 (pooled over points) | per-prompt mean | what it is |", "|---|---|---|---|"]
+             "| drafter | accepted of 16 (pooled over points) | per-prompt mean | "
+             + "".join(f"sampling at T = {key} | " for key in SUMMARY_TEMPERATURES) + "what it is |",
+             "|---|---|---|" + "---|" * len(SUMMARY_TEMPERATURES) + "---|"]
     for name in ("init", "trained", "lookup", "trained_lookup", "self"):
         if name in acc:
             a = acc[name]
             what = DRAFTERS[name][1]
             if name == "init" and not summary["draft_init"].startswith("truncate:"):
                 what = f"the draft before training: `{summary['draft_init']}` as loaded"
+            at = a.get("at_temperature") or {}
             lines.append(f"| {DRAFTERS[name][0]} | {_fmt(a.get('mean_accepted_pooled'), 2)} | "
-                         f"{_fmt(a.get('mean_accepted_per_prompt'), 2)} | {what} |")
+                         f"{_fmt(a.get('mean_accepted_per_prompt'), 2)} | "
+                         + "".join(f"{_fmt(at[key], 2) if key in at else '-'} | " for key in SUMMARY_TEMPERATURES)
+                         + f"{what} |")
+    lines += ["", "Sampling at temperature T: the expected accepted length of speculative sampling (target and "
+                  "draft warped alike), computed from their distributions along each point's greedy continuation "
+                  "(`eval/*/report.md`); the trained draft's from the pack the server serves, loaded in process."]
     latency = summary.get("draft_latency") or {}
     lines += ["", "A 16-token draft over HTTP (eval clients, 8 concurrent): "
                   f"p50 {_fmt(latency.get('p50_ms'), 0)} ms, p99 {_fmt(latency.get('p99_ms'), 0)} ms.", "",
