@@ -23,6 +23,8 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
                 "build prompts.jsonl from a data manifest (dedup, quotas, contamination check)"),
     "traces": ("specdraft.stages.traces", "TracesConfig", "run_traces",
                "the target's greedy continuations of the prompts (resumable)"),
+    "merge-traces": ("specdraft.stages.traces", "MergeTracesConfig", "run_merge_traces",
+                     "merge the shards of one traces run (--shard i/n) into one traces file"),
     "validation": ("specdraft.stages.traces", "ValidationConfig", "run_validation",
                    "held-out evaluation points: context_ids and the target's next 16 greedy tokens"),
     "label": ("specdraft.stages.label", "LabelConfig", "run_label",

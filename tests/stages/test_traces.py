@@ -12,16 +12,22 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdraft.core.io import RecordFileError, repair_jsonl
+from specdraft.audit.config import AuditConfig
+from specdraft.audit.context import AuditContext
+from specdraft.audit.traces import audit_traces
+from specdraft.cli import main
+from specdraft.core.io import RecordFileError, jsonl_line, repair_jsonl, sha256_file
 from specdraft.core.records import read_prompts
 from specdraft.model.chat import encode_prompts
 from specdraft.model.decode import Generation, greedy_decode, naive_greedy
 from specdraft.stages.traces import (
+    MergeTracesConfig,
     TracesConfig,
     ValidationConfig,
     VLLMBackend,
     evaluation_points,
     parse_shard,
+    run_merge_traces,
     run_traces,
     run_validation,
     vllm_generation,
@@ -214,6 +220,102 @@ def test_traces_shards_limit_and_settings_guard(tiny, tmp_path):
     with pytest.raises(RecordFileError, match="max_new_tokens"):
         run_traces(TracesConfig(target=str(tiny[0]), prompts=prompts, out=tmp_path / "shard0" / "traces.jsonl",
                                 max_new_tokens=4, limit=7, shard="0/2"))
+
+
+SLOW_SHARD = ("import sys, time, specdraft.model.decode as d\n"
+              "step = d.SlotDecoder.step\n"
+              "d.SlotDecoder.step = lambda self: (time.sleep(0.05), step(self))[1]\n"
+              "from specdraft.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+
+
+def test_shards_in_separate_processes_one_killed_and_resumed_merge_to_a_single_runs_traces(tiny, tmp_path):
+    """Two `specdraft traces --shard i/2` processes side by side, shard 0 killed mid-run and resumed, then
+    `specdraft merge-traces`: the merged file holds a single run's rows (ids, tokens, finish reasons) in the prompts
+    file's order, its summary names the shards with their hashes, and the audit follows it back to them."""
+    prompts = _write_prompts(tmp_path / "prompts.jsonl", 16)
+    shards = [tmp_path / f"shard{i}" / "traces.jsonl" for i in range(2)]
+
+    def shard_args(i):
+        return ["traces", "--target", str(tiny[0]), "--prompts", str(prompts), "--out", str(shards[i]),
+                "--max-new-tokens", "6", "--batch-size", "2", "--device", "cpu", "--shard", f"{i}/2"]
+
+    slowed = subprocess.Popen([sys.executable, "-c", SLOW_SHARD, *shard_args(0)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    other = subprocess.Popen([sys.executable, "-m", "specdraft.cli", *shard_args(1)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and slowed.poll() is None:
+        if shards[0].is_file() and shards[0].read_bytes().count(b"\n") >= 2:
+            break
+        time.sleep(0.05)
+    slowed.kill()
+    slowed.wait()
+    assert slowed.returncode == -9, "shard 0 ended before it could be killed"
+    assert 2 <= shards[0].read_bytes().count(b"\n") < 8
+    assert other.wait(timeout=120) == 0, other.stderr.read()[-2000:]
+
+    merge = ["merge-traces", "--shards", str(shards[0]), "--shards", str(shards[1]),
+             "--out", str(tmp_path / "merged" / "traces.jsonl")]
+    with pytest.raises(RecordFileError, match=r"shard0/traces.summary.json: not a finished traces run .*resume"):
+        run_merge_traces(MergeTracesConfig(shards=shards, out=tmp_path / "merged" / "traces.jsonl"))
+    assert main(shard_args(0)) == 0  # the resume: the same command again
+    assert main(merge) == 0
+    merged = tmp_path / "merged" / "traces.jsonl"
+
+    single = run_traces(TracesConfig(target=str(tiny[0]), prompts=prompts, out=tmp_path / "single" / "traces.jsonl",
+                                     max_new_tokens=6, batch_size=2))
+    order = {f"p{i}": i for i in range(16)}
+    single_rows = sorted(_rows(single.out), key=lambda r: order[r["id"]])
+    assert _rows(merged) == single_rows  # every field of every row, in the prompts file's order
+    assert merged.read_text() == "".join(jsonl_line(r) + "\n" for r in single_rows)
+    summary = json.loads((tmp_path / "merged" / "traces.summary.json").read_text())
+    assert summary["stage"] == "merge-traces" and summary["status"] == "complete"
+    assert [s["shard"] for s in summary["shards"]] == ["0/2", "1/2"]
+    assert [s["sha256"] for s in summary["shards"]] == [sha256_file(f) for f in shards]
+    assert summary["traces_sha256"] == sha256_file(merged) and summary["rows"] == 16
+    for key in ("rows", "prompt_tokens", "completion_tokens", "finish_reasons", "resume_key", "target"):
+        assert summary[key] == single.summary_data[key], key
+    assert summary["traces_config"]["max_new_tokens"] == 6
+
+    # the audit's traces link on the merged file: the shards check passes, and a changed shard fails it
+    def audit(traces):
+        ctx = AuditContext(AuditConfig(run_dir=str(tmp_path), prompts=str(prompts), traces=str(traces),
+                                       greedy_check=0, serve_check=False))
+        audit_traces(ctx)
+        return {f.check: f for f in ctx.findings}
+
+    found = audit(merged)
+    for check in ("traces shards", "traces complete", "traces counts", "trace ids in prompts", "prompt ids",
+                  "finish reasons"):
+        assert found[check].status == "pass", (check, found[check].message)
+    with open(shards[1], "a") as f:
+        f.write("\n")  # the same rows, another file
+    assert audit(merged)["traces shards"].status == "fail"
+
+
+def test_merge_refuses_missing_overlapping_and_foreign_shards(tiny, tmp_path):
+    prompts = _write_prompts(tmp_path / "prompts.jsonl", 5)
+
+    def shard(name, spec, max_new_tokens=2):
+        out = tmp_path / name / "traces.jsonl"
+        run_traces(TracesConfig(target=str(tiny[0]), prompts=prompts, out=out, max_new_tokens=max_new_tokens,
+                                shard=spec))
+        return out
+    a, b, c = shard("a", "0/2"), shard("b", "1/2"), shard("c", "0/2")
+    out = tmp_path / "merged" / "traces.jsonl"
+    with pytest.raises(RecordFileError, match=r"shard\(s\) 1/2 missing"):
+        run_merge_traces(MergeTracesConfig(shards=[a], out=out))
+    with pytest.raises(RecordFileError, match=rf"{c} and {a} are both shard 0/2"):
+        run_merge_traces(MergeTracesConfig(shards=[a, b, c], out=out))
+    d = shard("d", "1/2", max_new_tokens=3)
+    with pytest.raises(RecordFileError, match=r"d/traces.summary.json: made with other settings .*max_new_tokens"):
+        run_merge_traces(MergeTracesConfig(shards=[a, d], out=out))
+    rows = b.read_text().splitlines()
+    b.write_text("\n".join(rows[:-1]) + "\n")
+    with pytest.raises(RecordFileError, match=rf"{b}: changed since its run finished"):
+        run_merge_traces(MergeTracesConfig(shards=[a, b], out=out))
+    assert not out.exists()
 
 
 def test_repair_jsonl_keeps_complete_lines(tmp_path):

@@ -6,6 +6,11 @@ pinned target still on disk with the recorded weights; that the rows, token coun
 are the recorded ones; that every trace id is a prompt of prompts.jsonl with the same source, and its
 prompt_ids are that prompt in the target's chat template; that a few completions re-scored by the target are
 its teacher-forced argmax; and that validation.jsonl is complete and decoded by the same target.
+
+A traces file merged from shards (`specdraft merge-traces`) is followed back to them: every shard i of n is there
+once, unchanged since its own finished run (sha256 of its file and summary), of the same target and settings, and
+the merged rows are exactly the shards' rows. The checks above then read the shards' shared settings
+(``traces_config``) where a single run's summary has ``config``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 
 from specdraft.audit.context import AuditContext, lookup, short
 from specdraft.audit.models import argmax_mismatches, check_model_source, spread
+from specdraft.core.io import read_json, read_jsonl
 from specdraft.model.chat import encode_prompts
 from specdraft.model.specs import tokenizer_fingerprint
 
@@ -35,6 +41,8 @@ def audit_traces(ctx: AuditContext) -> None:
         ctx.guard("validation", lambda: _validation(ctx, {}))
         return
     ctx.guard("traces summary", lambda: _summary(ctx, summary))
+    if summary.get("stage") == "merge-traces":
+        ctx.guard("traces shards", lambda: _shards(ctx, summary))
     ctx.guard("target declared", lambda: _target(ctx, summary))
     ctx.guard("greedy", lambda: _greedy(ctx, summary))
     ctx.guard("traces counts", lambda: _counts(ctx, summary))
@@ -45,12 +53,62 @@ def audit_traces(ctx: AuditContext) -> None:
     ctx.guard("validation", lambda: _validation(ctx, summary))
 
 
+def _settings_key(s: dict) -> str:
+    """Where a summary keeps its decode settings: a merged file's are the shards' shared ``traces_config``."""
+    return "traces_config" if s.get("stage") == "merge-traces" else "config"
+
+
 def _summary(ctx: AuditContext, s: dict) -> None:
     sp = ctx.paths.traces_summary
-    ok = s.get("stage") == "traces" and s.get("status") == "complete"
+    ok = s.get("stage") in ("traces", "merge-traces") and s.get("status") == "complete"
     ctx.add("traces complete", "pass" if ok else "fail",
             f"stage {s.get('stage')!r}, status {s.get('status')!r}",
             [ctx.cite(sp, "stage"), ctx.cite(sp, "status")])
+
+
+def _shards(ctx: AuditContext, s: dict) -> None:
+    """The merged file's lineage: each recorded shard file and summary unchanged, a finished traces run of the
+    merged target and settings, shards 0..n-1 each once, and the merged rows exactly the shards' rows."""
+    sp, tp = ctx.paths.traces_summary, ctx.paths.traces
+    shards = s.get("shards") or []
+    problems: list[str] = []
+    indices: list[str] = []
+    shard_rows: dict[str, dict] = {}
+    for k, rec in enumerate(shards):
+        path, summary_path = Path(rec.get("path") or ""), Path(rec.get("summary") or "")
+        where = f"shards[{k}] ({rec.get('shard')}, {ctx.rel(path)})"
+        if not path.is_file() or not summary_path.is_file():
+            problems.append(f"{where}: file or summary missing")
+            continue
+        if ctx.sha(path) != rec.get("sha256"):
+            problems.append(f"{where}: sha256 {short(ctx.sha(path))} != recorded {short(rec.get('sha256'))}")
+        if ctx.sha(summary_path) != rec.get("summary_sha256"):
+            problems.append(f"{where}: its summary changed since the merge")
+        shard_summary = read_json(summary_path)
+        if shard_summary.get("stage") != "traces" or shard_summary.get("status") != "complete":
+            problems.append(f"{where}: not a finished traces run (status {shard_summary.get('status')!r})")
+        if lookup(shard_summary, "target.weights_sha256") != lookup(s, "target.weights_sha256"):
+            problems.append(f"{where}: another target than the merged file's")
+        if shard_summary.get("resume_key") != s.get("resume_key"):
+            problems.append(f"{where}: other decode settings (resume_key) than the merged file's")
+        indices.append(str((shard_summary.get("config") or {}).get("shard")))
+        for _, row in read_jsonl(path):
+            if row.get("id") in shard_rows:
+                problems.append(f"{where}: id {row.get('id')!r} is in two shards")
+            shard_rows[str(row.get("id"))] = row
+    count = len(shards)
+    if sorted(indices) != sorted(f"{i}/{count}" for i in range(count)):
+        problems.append(f"shards {sorted(indices)}: not every shard i/{count} once")
+    if ctx.traces is not None:
+        merged = {str(t.get("id")): {k: v for k, v in t.items() if k != "_line"} for t in ctx.traces}
+        if merged != shard_rows:
+            differ = sorted(i for i in {*merged, *shard_rows} if merged.get(i) != shard_rows.get(i))
+            problems.append(f"{len(differ)} ids whose merged row is not the shards' row (first {differ[0]!r})")
+    cites = [ctx.cite(sp, "shards"), ctx.cite(tp)]
+    ctx.add("traces shards", "fail" if problems else "pass",
+            f"{len(problems)} problems with the shards the traces were merged from" if problems else
+            f"merged from {count} shard(s), each unchanged since its finished run, of the same target and "
+            f"settings; the {len(shard_rows)} rows are exactly theirs", cites, problems)
 
 
 def _target(ctx: AuditContext, s: dict) -> None:
@@ -65,14 +123,14 @@ def _target(ctx: AuditContext, s: dict) -> None:
 
 def _greedy(ctx: AuditContext, s: dict) -> None:
     sp = ctx.paths.traces_summary
-    config = s.get("config") or {}
+    config = s.get(_settings_key(s)) or {}
     sampling = sorted(k for k in config if any(w in k.lower() for w in SAMPLING_KEYS))
     backend = s.get("backend") or config.get("backend")
     ok = not sampling and backend in ("hf", "vllm")
     ctx.add("greedy", "pass" if ok else "fail",
             f"backend {backend!r} decodes greedily only; no sampling settings in the config" if ok else
             f"backend {backend!r}, sampling settings {sampling}: not the greedy traces stage",
-            [ctx.cite(sp, "backend"), ctx.cite(sp, "config")])
+            [ctx.cite(sp, "backend"), ctx.cite(sp, _settings_key(s))])
     n = ctx.cfg.greedy_check
     rows = [t for t in ctx.traces or [] if t.get("completion_ids") and t.get("prompt_ids")]
     if n == 0:
@@ -188,7 +246,7 @@ def _eos_ids(ctx: AuditContext) -> set[int]:
 def _finish(ctx: AuditContext, s: dict) -> None:
     if ctx.traces is None:
         return
-    max_new = lookup(s, "config.max_new_tokens")
+    max_new = lookup(s, f"{_settings_key(s)}.max_new_tokens")
     eos = _eos_ids(ctx)
     bad = []
     for t in ctx.traces:
@@ -203,7 +261,7 @@ def _finish(ctx: AuditContext, s: dict) -> None:
         elif max_new is not None and len(comp) > max_new:
             bad.append(f"{where}: {len(comp)} tokens > max_new_tokens {max_new}")
     cites = [ctx.cite(ctx.paths.traces, "finish_reason"), ctx.cite(ctx.paths.traces_summary,
-                                                                   "config.max_new_tokens")]
+                                                                   f"{_settings_key(s)}.max_new_tokens")]
     ctx.add("finish reasons", "fail" if bad else "pass",
             f"{len(bad)} traces end inconsistently with their finish_reason" if bad else
             f"every trace ends at an EOS {sorted(eos)} or at max_new_tokens={max_new}", cites, bad)
@@ -214,7 +272,7 @@ def _stored_distribution(ctx: AuditContext, s: dict) -> None:
     the greedy token first (it is the argmax); without it, no row has them."""
     if ctx.traces is None:
         return
-    k = lookup(s, "config.top_logprobs") or 0
+    k = lookup(s, f"{_settings_key(s)}.top_logprobs") or 0
     bad = []
     for t in ctx.traces:
         comp, ids, lps = t.get("completion_ids") or [], t.get("top_ids"), t.get("top_logprobs")
@@ -230,7 +288,8 @@ def _stored_distribution(ctx: AuditContext, s: dict) -> None:
                        "the greedy token")
     if not k and not bad:
         return  # nothing stored, nothing to say
-    cites = [ctx.cite(ctx.paths.traces, "top_ids"), ctx.cite(ctx.paths.traces_summary, "config.top_logprobs")]
+    cites = [ctx.cite(ctx.paths.traces, "top_ids"),
+             ctx.cite(ctx.paths.traces_summary, f"{_settings_key(s)}.top_logprobs")]
     ctx.add("stored distribution", "fail" if bad else "pass",
             f"{len(bad)} traces do not hold the declared top-{k} distribution" if bad else
             f"every completion token has the target's top-{k} ids and log-probabilities, the greedy token first",

@@ -20,6 +20,11 @@ Backends: ``hf`` runs ``model.decode.iter_greedy`` (continuous batching over a s
 prompts longest first) on CPU or GPU; ``vllm`` hands token ids to ``vllm.LLM.generate`` (imported only
 then) for GPUs, with tensor parallelism inside one process and data parallelism as ``--shard i/n``.
 
+merge-traces  the shards of one traces run (``--shard i/n``, one process or job each) -> one traces.jsonl in the
+            prompts file's order, the rows a single run writes (a single run's file lists them as they finish);
+            traces.summary.json beside it records each shard's file and summary with their sha256, and the
+            shards' shared settings (``traces_config``), so the audit follows it back to the shards.
+
 Resumable: lines are appended and flushed as prompts finish. A rerun first cuts a torn last line (a
 killed write), skips the ids already present and appends the rest, so a killed run loses at most the
 rows in flight and never leaves a duplicate. A rerun with a different target, token limit or template
@@ -33,6 +38,7 @@ import os
 import re
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
 
@@ -54,6 +60,7 @@ from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.core.records import read_prompts
 from specdraft.core.stage import (
     POINT_FIELDS,
+    TRACE_FIELDS,
     Progress,
     StageResult,
     check_resume,
@@ -137,6 +144,16 @@ class ValidationConfig(_DecodeFields):
     max_new_tokens: int = Field(256, ge=1, description="length of the target's greedy continuation (stop at EOS)")
     num_draft: int = Field(16, ge=1, description="target tokens per evaluation point; points every num_draft "
                                                  "tokens (offsets 0, n, 2n, ...) while n tokens remain")
+
+
+class MergeTracesConfig(StageConfig):
+    """The shards of one traces run, merged into one traces file."""
+
+    shards: list[Path] = Field(description="a shard's traces.jsonl (its X.summary.json beside it); repeat for "
+                                           "every shard i/n of the run, each once")
+    out: Path = Field(description="merged traces.jsonl; traces.summary.json and traces.log go beside it")
+    prompts: Path | None = Field(None, description="the prompts file the shards decoded (default: the path "
+                                                   "their summaries record); its sha256 must be theirs")
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -476,3 +493,156 @@ def _run_validation(cfg: ValidationConfig, out: Path, summary_path: Path, log_pa
     log.info("wrote %s: %d points from %d prompts", out, points, len(prompts_with_points))
     return StageResult(out=out, summary=summary_path, rows=points, new_prompts=this_run["prompts"],
                        summary_data=summary)
+
+
+# ------------------------------------------------------------------------------------------ merge-traces
+
+# Settings that change only how fast a shard ran, not its rows: shards may differ in them.
+THROUGHPUT_FIELDS = ("batch_size", "device", "tensor_parallel_size", "vllm_chunk")
+# Settings that differ between the shards of one run by construction.
+PER_SHARD_FIELDS = ("shard", "out", "prompts")
+
+
+@dataclass
+class _Shard:
+    path: Path
+    summary_path: Path
+    summary: dict[str, Any]
+    index: int
+    count: int
+
+
+def run_merge_traces(cfg: MergeTracesConfig) -> StageResult:
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary_path, log_path = side_paths(out)
+    with stage_log(log_path):
+        return _run_merge_traces(cfg, out, summary_path, log_path)
+
+
+def _run_merge_traces(cfg: MergeTracesConfig, out: Path, summary_path: Path, log_path: Path) -> StageResult:
+    started = time.time()
+    shards = _finished_shards(cfg.shards)
+    if any(Path(sh.path).resolve() == out.resolve() for sh in shards):
+        raise ValueError(f"{out}: the merged file would overwrite a shard; choose another --out")
+    first = shards[0]
+    decode = _shared_settings(shards)
+    prompts_path, prompts_sha = _shared_prompts(cfg, shards)
+    records = read_prompts(prompts_path)
+    total_in_file = len(records)
+    limit = decode.get("limit")
+    if limit is not None:
+        records = records[:limit]
+    position = {r.id: k for k, r in enumerate(records)}
+    rows: dict[str, dict] = {}
+    owner: dict[str, Path] = {}
+    for sh in shards:
+        expected = {r.id for r in records[sh.index::sh.count]}
+        for lineno, row in checked_rows(sh.path, TRACE_FIELDS):
+            rid = row["id"]
+            if rid in owner:
+                raise RecordFileError(f"{sh.path}:{lineno}: id {rid!r} is also in {owner[rid]}: the shards overlap")
+            if rid not in expected:
+                where = (f"shard {position[rid] % sh.count}/{sh.count}'s" if rid in position
+                         else f"not one of the selected prompts of {prompts_path}")
+                raise RecordFileError(f"{sh.path}:{lineno}: id {rid!r} is {where}, not shard "
+                                      f"{sh.index}/{sh.count}'s")
+            rows[rid], owner[rid] = row, sh.path
+        missing = sorted(expected - {rid for rid, path in owner.items() if path == sh.path}, key=position.get)
+        if missing:
+            raise RecordFileError(f"{sh.path}: {len(missing)} of shard {sh.index}/{sh.count}'s prompts have no row "
+                                  f"(first {missing[0]!r}); resume that shard before merging")
+
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rid in sorted(rows, key=position.__getitem__):  # the prompts file's order: any sharding, one file
+            f.write(jsonl_line(rows[rid]) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+
+    totals = _trace_totals(out, set(position))
+    summary = {
+        "stage": "merge-traces", "status": "complete", "target": first.summary.get("target"),
+        "prompts": {"path": str(prompts_path), "sha256": prompts_sha, "records": total_in_file,
+                    "selected": len(records)},
+        "chat_template": first.summary.get("chat_template"), "resume_key": first.summary.get("resume_key"),
+        "backend": decode.get("backend"), "config": cfg.to_json_dict(), "traces_config": decode,
+        "shards": [{"shard": f"{sh.index}/{sh.count}", "path": str(sh.path), "sha256": sha256_file(sh.path),
+                    "summary": str(sh.summary_path), "summary_sha256": sha256_file(sh.summary_path),
+                    "rows": sh.summary.get("rows")} for sh in shards],
+        **totals, "wall_s": round(time.time() - started, 3), "run": run_metadata(), "log": str(log_path),
+        "traces_sha256": sha256_file(out)}
+    atomic_write_json(summary_path, summary)
+    log.info("merged %d shards into %s (%d rows) and %s", len(shards), out, totals["rows"], summary_path)
+    return StageResult(out=out, summary=summary_path, rows=totals["rows"], new_prompts=0, summary_data=summary)
+
+
+def _finished_shards(paths: Sequence[Path]) -> list[_Shard]:
+    """Each shard's file and summary, refused unless a finished traces run wrote them unchanged; every shard i of
+    one n, each once, in shard order."""
+    if not paths:
+        raise ValueError("merge-traces: no --shards given")
+    shards = []
+    for path in map(Path, paths):
+        summary_path = side_paths(path)[0]
+        if not path.is_file() or not summary_path.is_file():
+            raise RecordFileError(f"{path}: a shard needs its traces file and {summary_path.name} beside it")
+        summary = read_json(summary_path)
+        if summary.get("stage") != "traces" or summary.get("status") != "complete":
+            raise RecordFileError(f"{summary_path}: not a finished traces run (stage {summary.get('stage')!r}, "
+                                  f"status {summary.get('status')!r}); resume that shard before merging")
+        if summary.get("traces_sha256") != sha256_file(path):
+            raise RecordFileError(f"{path}: changed since its run finished (sha256 differs from "
+                                  f"{summary_path.name}'s traces_sha256)")
+        index, count = parse_shard(str((summary.get("config") or {}).get("shard", "0/1")))
+        shards.append(_Shard(path, summary_path, summary, index, count))
+    counts = {sh.count for sh in shards}
+    if len(counts) > 1:
+        raise RecordFileError("merge-traces: shards of different runs (" + ", ".join(
+            f"{sh.path}: {sh.index}/{sh.count}" for sh in shards) + ")")
+    (count,) = counts
+    by_index: dict[int, _Shard] = {}
+    for sh in shards:
+        if sh.index in by_index:
+            raise RecordFileError(f"{sh.path} and {by_index[sh.index].path} are both shard {sh.index}/{count}")
+        by_index[sh.index] = sh
+    missing = sorted(set(range(count)) - set(by_index))
+    if missing:
+        raise RecordFileError(f"merge-traces: shard(s) {', '.join(f'{i}/{count}' for i in missing)} missing; pass "
+                              f"all {count}")
+    return [by_index[i] for i in range(count)]
+
+
+def _shared_settings(shards: list[_Shard]) -> dict[str, Any]:
+    """The decode settings every shard used (their config less what differs per shard or only sets speed); a
+    shard whose rows were made otherwise is refused with the fields that differ."""
+    def settings(sh: _Shard) -> dict[str, Any]:
+        return {k: v for k, v in (sh.summary.get("config") or {}).items()
+                if k not in THROUGHPUT_FIELDS + PER_SHARD_FIELDS}
+    first = shards[0]
+    for sh in shards[1:]:
+        for name, a, b in (("settings", settings(first), settings(sh)),
+                           ("resume_key", first.summary.get("resume_key"), sh.summary.get("resume_key"))):
+            if a != b:
+                diff = sorted(k for k in {*a, *b} if a.get(k) != b.get(k)) if isinstance(a, dict) and \
+                    isinstance(b, dict) else name
+                raise RecordFileError(f"{sh.summary_path}: made with other {name} than {first.summary_path} "
+                                      f"({diff}); these are not shards of one run")
+    return settings(first)
+
+
+def _shared_prompts(cfg: MergeTracesConfig, shards: list[_Shard]) -> tuple[Path, str]:
+    """The prompts file every shard decoded (--prompts, else the path they record), checked by its sha256."""
+    recorded = {(sh.summary.get("prompts") or {}).get("sha256") for sh in shards}
+    if len(recorded) != 1:
+        raise RecordFileError("merge-traces: the shards decoded different prompts files (" + ", ".join(
+            f"{sh.summary_path}: {(sh.summary.get('prompts') or {}).get('sha256')}" for sh in shards) + ")")
+    (sha,) = recorded
+    path = Path(cfg.prompts or (shards[0].summary.get("prompts") or {}).get("path") or "")
+    if not path.is_file():
+        raise RecordFileError(f"{shards[0].summary_path}: its prompts file {str(path)!r} is not here; pass --prompts")
+    if sha256_file(path) != sha:
+        raise RecordFileError(f"{path}: not the prompts file the shards decoded (sha256 differs from "
+                              f"{shards[0].summary_path.name}'s prompts.sha256)")
+    return path, sha
