@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdraft.drafting import speculative
+from specdraft.drafting.base import DraftDistributions
 from specdraft.drafting.batched import ModelDrafter
 from specdraft.drafting.cached import CachedDraftModel
 from specdraft.drafting.lookup import LookupDrafter
@@ -148,3 +149,8 @@ def test_sampling_refuses_a_target_without_probabilities():
 
     with pytest.raises(ValueError, match="llama.cpp engine gives its greedy tokens only"):
         speculative_generate(GreedyOnly(), LookupDrafter(), PROMPT, 4, 2, sampling=PARAMS)
+
+
+def test_dense_q_leaves_out_ids_past_the_vocabulary():
+    q = DraftDistributions.full([1], torch.tensor([[0.25, 0.5, 0.0, 0.25]]))  # a draft with a padded 4th row
+    assert torch.equal(q.dense(3), torch.tensor([[0.25, 0.5, 0.0]]))

@@ -40,9 +40,12 @@ class DraftDistributions:
     probs: torch.Tensor  # [n, m] float32, q over ``support``; each row sums to 1 (0 where nothing is proposed)
 
     def dense(self, vocab_size: int) -> torch.Tensor:
-        """q as [n, vocab_size] (ids outside the vocabulary are the caller's error)."""
-        out = torch.zeros(self.probs.shape[0], vocab_size, dtype=torch.float32)
-        return out.scatter_add_(1, self.support.cpu(), self.probs.float().cpu())
+        """q as [n, vocab_size]. Ids at or past ``vocab_size`` (a draft's padded embedding rows) are left out: a
+        drafted id there is the caller's to refuse."""
+        support, probs = self.support.cpu(), self.probs.float().cpu()
+        inside = support < vocab_size
+        out = torch.zeros(probs.shape[0], vocab_size, dtype=torch.float32)
+        return out.scatter_add_(1, support * inside, probs * inside)
 
     @classmethod
     def one_hot(cls, ids: Sequence[int], positions: int | None = None) -> "DraftDistributions":

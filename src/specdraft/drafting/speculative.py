@@ -158,8 +158,6 @@ def _speculative_sample(target: TargetModel, drafter: Drafter, prompt: list[int]
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in draft):
             raise DrafterError(f"drafter {drafter.name!r} proposed ids outside the "
                                f"target vocab (0..{vocab - 1}): {draft}")
-        if proposal is not None and proposal.support.numel() and int(proposal.support.max()) >= vocab:
-            raise DrafterError(f"drafter {drafter.name!r}: its distribution names ids outside the target vocab")
         start = len(prompt) + len(gen.tokens) - 1  # the cache holds everything but the last token
         p = sampler.verify([gen.tokens[-1]] + draft, start)  # p[i]: the target's distribution after draft[:i]
         q = proposal.dense(vocab)[: len(draft)] if draft else None
