@@ -177,6 +177,37 @@ def test_resume_after_interruption_matches_uninterrupted_run(tiny_traces, tiny_t
     assert resumed["train_seconds"] > killed_state["train_seconds"] and resumed["seconds_this_run"] > 0
 
 
+def test_a_kill_between_the_checkpoint_renames_resumes_from_the_complete_new_state(tiny_traces, tiny_target,
+                                                                                    tmp_path, monkeypatch):
+    """save_resume_state moves last/ aside, then last.tmp to last/: killed in between, no last/ is left, and the
+    resume takes the complete last.tmp (step 4 here) rather than starting again from step 0."""
+    full = _cfg(tiny_traces, tiny_target, tmp_path / "full", max_steps=8)
+    run_train(full)
+    part = _cfg(tiny_traces, tiny_target, tmp_path / "part", max_steps=8)
+    original = train_stage.os.replace
+
+    class Killed(Exception):
+        pass
+
+    def killing_replace(src, dst):
+        if Path(src).name == "last.tmp" and json.loads((Path(src) / "trainer_state.json").read_text())["step"] == 4:
+            raise Killed
+        return original(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train_stage.os, "replace", killing_replace)
+        with pytest.raises(Killed):
+            run_train(part)
+    assert not (tmp_path / "part" / "last").exists() and (tmp_path / "part" / "last.tmp").is_dir()
+    run_train(part)
+    resumed = json.loads((tmp_path / "part" / "train_meta.json").read_text())
+    assert resumed["resumed_from_step"] == 4
+    a = load_file(tmp_path / "full" / "last" / "model.safetensors")
+    b = load_file(tmp_path / "part" / "last" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "part" / "last.tmp").exists() and not (tmp_path / "part" / "last.old").exists()
+
+
 def test_resume_refuses_a_corrupt_checkpoint_with_its_path(tiny_traces, tiny_target, tmp_path):
     cfg = _cfg(tiny_traces, tiny_target, tmp_path / "run", max_steps=2, eval_every=2)
     run_train(cfg)

@@ -519,13 +519,26 @@ def save_resume_state(run: Run, state: TrainState) -> None:
             "step": state.step, "history": state.history, "best": state.best, "train_tokens": state.train_tokens,
             "train_seconds": state.train_seconds, "processes": accelerator.num_processes,
             "config": run.cfg.to_json_dict()})
-        shutil.rmtree(run.out / "last", ignore_errors=True)
+        # renames only between a complete last/ and the next: a kill in between leaves last.tmp complete (its
+        # trainer_state.json is written last), which load_resume_state takes
+        old = run.out / "last.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if (run.out / "last").exists():
+            os.replace(run.out / "last", old)
         os.replace(tmp, run.out / "last")
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def load_resume_state(run: Run) -> TrainState:
     """The state saved in last/ (weights, optimizer and RNG restored into the run), or a fresh one."""
-    last = run.out / "last"
+    last, tmp = run.out / "last", run.out / "last.tmp"
+    if not (last / "trainer_state.json").is_file() and (tmp / "trainer_state.json").is_file():
+        # killed between save_resume_state's renames: the new state is complete; it becomes last/
+        if run.accelerator.is_main_process:
+            shutil.rmtree(last, ignore_errors=True)
+            os.replace(tmp, last)
+            log.info("%s was complete but not yet moved: resuming from it", tmp)
+        run.accelerator.wait_for_everyone()
     state_file = last / "trainer_state.json"
     if not state_file.is_file():
         return TrainState()
