@@ -39,6 +39,21 @@ def variant_settings(name: str) -> tuple[int, bool, bool]:
     raise ValueError(f"variant {name!r}: ce or kdK (e.g. kd16), optionally with -op")
 
 
+def recipe_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``--set lr=2e-3 warmup_steps=2`` -> TrainConfig fields over the budget's recipe (values parsed as JSON,
+    else kept as text; TrainConfig validates them)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in TrainConfig.model_fields:
+            raise ValueError(f"--set {pair!r}: expected FIELD=VALUE with FIELD one of TrainConfig's fields")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def run_variant(name: str, args, work: Path) -> dict[str, Any]:
     top_k, kd, on_policy = variant_settings(name)
     budget = BUDGETS[args.budget]
@@ -71,11 +86,13 @@ def run_variant(name: str, args, work: Path) -> dict[str, Any]:
     pack_cfg = PackConfig(checkpoint=str(work / run_name / "draft"), out=str(work / run_name / "model"),
                           overwrite=True)
     t = time.time()
+    recipe = {"epochs": args.epochs or budget.epochs, "lr": budget.lr, "freeze_layers": frozen}
+    recipe |= recipe_overrides(args.set)
+    out["recipe"] = recipe
     meta = run_train(TrainConfig(traces=str(traces), init=init, out=str(work / run_name / "draft"),
-                                 epochs=args.epochs or budget.epochs, lr=budget.lr, freeze_layers=frozen,
                                  threads=args.threads, kd_stored=kd, kd_weight=args.kd_weight, seed=args.seed,
                                  labels=str(labels) if on_policy else None,
-                                 qat_group_size=pack_cfg.group_size if budget.qat else None))
+                                 qat_group_size=pack_cfg.group_size if budget.qat else None, **recipe))
     out["train"] = {"seconds": round(time.time() - t, 1), "steps": meta.get("steps"), "best": meta.get("best")}
     run_pack(pack_cfg)
     t = time.time()
@@ -101,6 +118,8 @@ def main() -> None:
     ap.add_argument("--traces-top", type=int, default=None, help="one traces file with this top-K for every variant")
     ap.add_argument("--tag", default="", help="suffix of the variants' dirs (the traces are shared per K)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="train recipe fields over the budget's (e.g. lr=2e-3 warmup_steps=2 freeze_layers=18)")
     args = ap.parse_args()
     work = args.work_dir or args.out.with_suffix("")
     results = {"config": {k: str(v) for k, v in vars(args).items()}, "variants": []}
