@@ -61,7 +61,7 @@ def _time_forward(model, n: int, context: int, repeats: int, clock: str = "cpu",
 
         def run() -> None:
             if forward != "model":
-                drafter.extend([5] * n, context)
+                drafter.feed([5] * n, context)
             else:
                 extend(model, [5] * n, cache, context, logits_to_keep=keep)
 
