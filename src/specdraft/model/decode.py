@@ -67,7 +67,7 @@ class DraftSampling:
     ``warp_probs(logits, params)`` with a generator of the row's own, seeded with ``seed`` (None: a fresh random
     seed), so a seeded row draws the same tokens whatever shares its batch. ``return_probs`` records the warped
     probability of each drawn token (greedy: the one-hot's 1.0); ``top_alternatives`` k > 0 the warped
-    distribution's k most likely tokens at each position (``top_alternatives``)."""
+    distribution's k most likely tokens at each position (the function ``top_alternatives``)."""
 
     params: SamplingParams = GREEDY
     seed: int | None = None
@@ -133,12 +133,12 @@ class RowSampler:
             self.alternative_probs.append(values)
         return token
 
-    def report(self, upto: int | None = None) -> dict:
-        """The ``Generation`` fields this row fills (its first ``upto`` positions)."""
+    def report(self) -> dict:
+        """The ``Generation`` fields this row fills, copies of what it has recorded so far."""
         s = self.settings
-        return {"probs": self.probs[:upto] if s.return_probs else None,
-                "alternative_ids": self.alternative_ids[:upto] if s.top_alternatives else None,
-                "alternative_probs": self.alternative_probs[:upto] if s.top_alternatives else None}
+        return {"probs": list(self.probs) if s.return_probs else None,
+                "alternative_ids": list(self.alternative_ids) if s.top_alternatives else None,
+                "alternative_probs": list(self.alternative_probs) if s.top_alternatives else None}
 
 
 def top_logprobs_of(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
