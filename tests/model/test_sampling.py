@@ -39,3 +39,20 @@ def test_sampling_is_seeded():
 def test_bad_settings_name_their_field(field, kwargs):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def _nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The textbook top-p: sort the whole vocabulary, keep while the mass before a token is under top_p."""
+    probs = logits.softmax(-1)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    keep_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return torch.where(keep, probs, 0.0) / torch.where(keep, probs, 0.0).sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+@pytest.mark.parametrize("scale", [0.1, 1.0, 8.0])  # flat rows need a nucleus past the first top-k
+def test_top_p_equals_a_full_sort_of_the_vocabulary(top_p, scale):
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(3)) * scale
+    torch.testing.assert_close(warp_probs(logits, SamplingParams(temperature=1.0, top_p=top_p)),
+                               _nucleus_by_full_sort(logits, top_p))

@@ -35,6 +35,7 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+NUCLEUS_FIRST_K = 64
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -51,13 +52,19 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-        cumulative = sorted_scores.softmax(-1).cumsum(-1)
-        # Drop a token when the mass before it already reaches top_p; the most likely token always stays.
-        drop_sorted = (cumulative - sorted_scores.softmax(-1)) >= params.top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
+        probs = scores.softmax(-1)
+        # The nucleus is a prefix of the tokens sorted by probability: rather than sort the whole vocabulary for
+        # every row, take the top k and double k until every row's nucleus ends inside it (usually at once).
+        k = min(NUCLEUS_FIRST_K, probs.shape[-1])
+        while True:
+            top, order = torch.topk(probs, k, dim=-1)
+            # keep a token while the mass before it is under top_p; the most likely token always stays
+            keep_sorted = (top.cumsum(-1) - top) < params.top_p
+            if k == probs.shape[-1] or not keep_sorted[..., -1].any():
+                break
+            k = min(2 * k, probs.shape[-1])
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_sorted)
+        scores = scores.masked_fill(~keep, float("-inf"))
     return scores.softmax(-1)
 
 
