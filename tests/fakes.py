@@ -3,6 +3,8 @@
 import threading
 import time
 
+from specdraft.server.scheduler import Draft
+
 
 def expected(context, n, vocab=1000):
     """The fake draft of a context: [sum(context) + k for k in range(n)] (mod vocab)."""
@@ -10,8 +12,9 @@ def expected(context, n, vocab=1000):
 
 
 class FakeLane:
-    """A ``scheduler.Lane`` without a model: one token per step per row, ``expected`` of its context. Records
-    every call; ``delay`` slows each model call, ``gate`` holds them, ``fail_when(context)`` raises."""
+    """A ``scheduler.Lane`` without a model: one token per step per row, ``expected`` of its context (whatever
+    the row's sampling settings, which ``sampling`` records per key). Records every call; ``delay`` slows each
+    model call, ``gate`` holds them, ``fail_when(context)`` raises."""
 
     def __init__(self, slots, capacity, num_draft, vocab=1000, delay=0.0, gate=None, fail_when=None, calls=None,
                  hook=None):
@@ -20,6 +23,7 @@ class FakeLane:
         self.rows: dict[int, tuple[list[int], list[int]]] = {}  # key -> (context, tokens)
         self.chunked: tuple[int, int] | None = None  # (key, tokens prefilled)
         self.calls: list[tuple] = [] if calls is None else calls  # two lanes may share one log
+        self.sampling: dict = {}  # key -> the DraftSampling its row was admitted with
 
     @property
     def free(self):
@@ -39,19 +43,21 @@ class FakeLane:
     def _emit(self, key):
         context, tokens = self.rows[key]
         tokens.append(expected(context, len(tokens) + 1, self.vocab)[-1])
-        out = list(tokens)
+        out = Draft(list(tokens))
         if len(tokens) >= self.num_draft:
             del self.rows[key]
         return out
 
-    def admit(self, keys, contexts):
-        assert len(keys) <= self.free and len({len(c) for c in contexts}) == 1
+    def admit(self, keys, contexts, sampling):
+        assert len(keys) <= self.free and len({len(c) for c in contexts}) == 1 and len(sampling) == len(keys)
+        self.sampling.update(zip(keys, sampling))
         self._model("admit", contexts)
         for key, c in zip(keys, contexts):
             self.rows[key] = (list(c), [])
         return {key: self._emit(key) for key in keys}
 
-    def prefill_chunk(self, key, context, start, size):
+    def prefill_chunk(self, key, context, start, size, sampling):
+        self.sampling[key] = sampling
         assert (self.chunked is None and start == 0 and self.free) or self.chunked == (key, start)
         self._model("chunk", [context[start:start + size]])
         end = min(start + size, len(context))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from server.lane_fakes import FakeLane, expected
+from fakes import FakeLane, expected
 from specdraft.model.decode import DraftSampling, draft_batch, draft_rows
 from specdraft.model.sampling import SamplingParams
 from specdraft.server.engine import SlotLane

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.lane_fakes import FakeEngine
+from fakes import FakeEngine
 from specdraft.model.decode import DraftSampling
 from specdraft.model.sampling import SamplingParams
 from specdraft.server.app import SHUTDOWN_MARGIN_S, bind_socket, create_app, every, make_server, url_of
