@@ -118,3 +118,19 @@ def test_path_logits_is_one_forward_over_the_path(models):
     ctx, cont = [5, 6, 7], [8, 9, 10]
     full = target(input_ids=torch.tensor([ctx + cont])).logits[0]
     assert torch.allclose(path_logits(target, ctx, cont), full[2:5], atol=1e-5)
+
+
+def test_temperature_zero_takes_the_draft_as_the_drafter_decodes_it(models, points):
+    """An int4 draft's teacher-forced pass may break a near-tie the other way than its decode steps: at
+    temperature 0 the figure comes from the draft it decodes (here one that differs from its forward's argmax)."""
+    target, draft = models
+
+    class DecodesOtherwise(ModelDrafter):
+        def draft(self, contexts, num_tokens):
+            return [[(t + 1) % 300 for t in row] for row in super().draft(contexts, num_tokens)]
+
+    drafter = DecodesOtherwise(target)
+    at = evaluate_at_temperatures(drafter, target, points, [0.0, 1.0], k=16)
+    greedy = evaluate_drafter(drafter, points)
+    assert [p["0.0"] for p in at["per_point"]] == [p["accepted"] for p in greedy["per_point"]]
+    assert at["temperatures"]["1.0"]["mean_expected_accepted_pooled"] > 0  # the forward's own distribution there

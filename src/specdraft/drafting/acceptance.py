@@ -113,8 +113,9 @@ TEMPERATURE_NOTE = (
     "distribution p_i warped the same way), and the expected accepted length is sum_k prod_(i<=k) alpha_i. "
     "Approximation: p_i and q_i are taken along the point's reference continuation (the target's greedy tokens, "
     "teacher-forced), not along the tokens a sampled run would have kept. At temperature 0, p_i is the one-hot of "
-    "the reference token, and the figures equal greedy acceptance exactly. A drafter that does not sample "
-    "(prompt lookup) offers its k-token draft at the point, q one-hot; no proposal: alpha = 0.")
+    "the reference token and q_i the one-hot of the drafter's greedy draft at the point (as it decodes it), so the "
+    "figures equal greedy acceptance exactly. A drafter that does not sample (prompt lookup) offers its k-token "
+    "draft at the point, q one-hot, at every temperature; no proposal: alpha = 0.")
 
 
 def temperature_key(temperature: float) -> str:

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from specdraft.drafting.base import DraftDistributions, Drafter
 from specdraft.model.decode import draft_batch, extend
-from specdraft.model.sampling import SamplingParams, sample_from, warp_probs
+from specdraft.model.sampling import GREEDY, SamplingParams, sample_from, warp_probs
 
 
 @torch.inference_mode()
@@ -66,7 +66,19 @@ class ModelDrafter(Drafter):
         return [sample_draft(self.model, c, num_tokens, params, generator) for c in contexts]
 
     def path_probs(self, context, continuation, settings):
-        return teacher_forced(self.model, context, continuation, settings)
+        return model_path_probs(self, self.model, context, continuation, settings)
+
+
+def model_path_probs(drafter: Drafter, model, context: Sequence[int], continuation: Sequence[int],
+                     settings: Sequence[SamplingParams]) -> list[DraftDistributions]:
+    """A draft model's ``path_probs``: greedy settings get its greedy draft at ``context``, one-hot (what greedy
+    speculation drafts, computed as the drafter decodes: a teacher-forced pass may round a near-tie the other way);
+    the others its warped distributions along ``continuation`` from one teacher-forced forward."""
+    sampled = [params for params in settings if not params.greedy]
+    along = iter(teacher_forced(model, context, continuation, sampled) if sampled else [])
+    greedy = (Drafter.path_probs(drafter, context, continuation, [GREEDY])[0]
+              if len(sampled) < len(settings) else None)
+    return [greedy if params.greedy else next(along) for params in settings]
 
 
 def teacher_forced(model, context: Sequence[int], continuation: Sequence[int],

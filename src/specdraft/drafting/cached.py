@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from specdraft.drafting.base import DraftDistributions, Drafter
-from specdraft.drafting.batched import teacher_forced
+from specdraft.drafting.batched import model_path_probs
 from specdraft.drafting.calibration import AcceptanceCalibration
 from specdraft.drafting.metrics import accepted_length
 from specdraft.model.decode import crop_cache, extend
@@ -102,7 +102,7 @@ class CachedDraftModel(Drafter):
         return [DraftDistributions.full(*self._draft_one(c, num_tokens, params, generator)) for c in contexts]
 
     def path_probs(self, context, continuation, settings):
-        return teacher_forced(self.model, context, continuation, settings)
+        return model_path_probs(self, self.model, context, continuation, settings)
 
     @torch.inference_mode()
     def _draft_one(self, context: Sequence[int], k: int, params: SamplingParams = GREEDY,
