@@ -134,3 +134,36 @@ def test_temperature_zero_takes_the_draft_as_the_drafter_decodes_it(models, poin
     greedy = evaluate_drafter(drafter, points)
     assert [p["0.0"] for p in at["per_point"]] == [p["accepted"] for p in greedy["per_point"]]
     assert at["temperatures"]["1.0"]["mean_expected_accepted_pooled"] > 0  # the forward's own distribution there
+
+
+@torch.inference_mode()
+def test_points_on_one_path_share_a_forward_and_score_as_alone(models, monkeypatch):
+    """A prompt's points at offsets 0, 4, 8 lie on one token path: one target forward and one draft forward
+    serve all three, with the figures each point gets alone; temperature 0 scores the greedy pass's drafts."""
+    import specdraft.drafting.acceptance as acceptance
+
+    target, draft = models
+    prompt = [7, 8, 9, 10, 11]
+    continuation = naive_greedy(target, prompt, 24, stop_at_eos=False).tokens
+    on_path = [ValidationPoint("a", "x", off, prompt + continuation[:off], continuation[off:off + 16])
+               for off in (0, 4, 8)]
+    elsewhere = ValidationPoint("b", "x", 0, [20, 21, 22], naive_greedy(target, [20, 21, 22], 16).tokens)
+    pts = [on_path[1], elsewhere, on_path[0], on_path[2]]
+    assert sorted(len(m) for _, _, m in acceptance.shared_paths(pts, 16)) == [1, 3]
+    forwards = []
+    counted = acceptance.path_logits
+
+    def counting(model, context, cont):
+        forwards.append(len(context) + len(cont))
+        return counted(model, context, cont)
+
+    monkeypatch.setattr(acceptance, "path_logits", counting)
+    drafter = ModelDrafter(draft)
+    greedy = evaluate_drafter(drafter, pts, k=16)
+    shared = evaluate_at_temperatures(drafter, target, pts, [0.0, 0.7], k=16,
+                                      greedy_drafts=[row["draft"] for row in greedy["per_point"]])
+    assert len(forwards) == 2  # one per path, not one per point
+    alone = [evaluate_at_temperatures(drafter, target, [p], [0.0, 0.7], k=16)["per_point"][0] for p in pts]
+    for got, want in zip(shared["per_point"], alone):
+        assert got["0.0"] == want["0.0"] and got["0.7"] == pytest.approx(want["0.7"], abs=1e-4)
+    assert [row["0.0"] for row in shared["per_point"]] == [row["accepted"] for row in greedy["per_point"]]

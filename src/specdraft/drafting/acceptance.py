@@ -21,7 +21,7 @@ from specdraft.core.records import ValidationPoint, parse_point
 from specdraft.drafting.base import DraftDistributions, Drafter, DrafterError
 from specdraft.drafting.batched import path_logits
 from specdraft.drafting.metrics import AcceptanceStats, ExpectedAcceptanceStats
-from specdraft.model.sampling import SamplingParams, warp_probs
+from specdraft.model.sampling import GREEDY, SamplingParams, warp_probs
 
 MEANS_NOTE = ("mean_accepted_pooled = mean over all evaluation points (each point counts once); "
               "mean_accepted_per_prompt = mean over prompts of each prompt's own mean (each prompt counts "
@@ -58,6 +58,7 @@ def evaluate_drafter(drafter: Drafter, points: Sequence[ValidationPoint | Mappin
         batch_size = 4 * drafter.concurrency
     stats = AcceptanceStats(k=k)
     accepted: list[int] = []
+    drafted: list[list[int]] = []
     call_seconds: list[float] = []
     drafter.take_latencies()  # drop latencies of earlier, unrelated calls
     bar = None
@@ -72,6 +73,7 @@ def evaluate_drafter(drafter: Drafter, points: Sequence[ValidationPoint | Mappin
         if len(drafts) != len(chunk):
             raise DrafterError(f"drafter returned {len(drafts)} drafts for {len(chunk)} contexts")
         for point, draft in zip(chunk, drafts):
+            drafted.append([int(t) for t in list(draft)[:k]])
             accepted.append(stats.add(list(draft)[:k], point.target_ids[:k], prompt_id=point.id,
                                       category=point.category))
         if bar:
@@ -94,8 +96,8 @@ def evaluate_drafter(drafter: Drafter, points: Sequence[ValidationPoint | Mappin
         "latency": latency,
         "wall_seconds": wall,
         "points_per_second": len(pts) / wall if wall > 0 else math.nan,
-        "per_point": [{"id": p.id, "offset": p.offset, "category": p.category, "accepted": a}
-                      for p, a in zip(pts, accepted)],
+        "per_point": [{"id": p.id, "offset": p.offset, "category": p.category, "accepted": a, "draft": d}
+                      for p, a, d in zip(pts, accepted, drafted)],
     }
     return report
 
@@ -139,29 +141,74 @@ def acceptance_probabilities(p: torch.Tensor | Sequence[int], q: DraftDistributi
 
 def evaluate_at_temperatures(drafter: Drafter, target, points: Sequence[ValidationPoint | Mapping[str, Any]],
                              temperatures: Sequence[float], k: int = 16, *, top_p: float = 1.0, top_k: int = 0,
+                             greedy_drafts: Sequence[Sequence[int]] | None = None,
                              progress: bool = False) -> dict[str, Any]:
     """Acceptance under sampling at each temperature (``TEMPERATURE_NOTE``): per position and pooled.
 
-    ``target``: the transformers model whose greedy continuations the points hold (one forward per point gives p
-    at every temperature); None when every temperature is 0. ``drafter.path_probs`` gives q (one forward per point
-    for a model drafter).
+    ``target``: the transformers model whose greedy continuations the points hold (p at every temperature); None
+    when every temperature is 0. ``drafter.path_probs`` gives q. ``greedy_drafts`` (one per point, e.g.
+    ``evaluate_drafter``'s ``per_point`` drafts): temperature 0 scores those instead of drafting again, so it is
+    greedy acceptance by construction. Points on one token path (a prompt's points at several offsets) share one
+    target forward, and one draft forward where the drafter's paths are teacher-forced.
     """
     pts = _parse_points(points, k)
+    if greedy_drafts is not None and len(greedy_drafts) != len(pts):
+        raise ValueError(f"{len(greedy_drafts)} greedy drafts for {len(pts)} points")
     settings = [SamplingParams(temperature=t, top_p=top_p, top_k=top_k) for t in temperatures]
-    if target is None and not all(s.greedy for s in settings):
+    sampled = [params for params in settings if not params.greedy]
+    if target is None and sampled:
         raise ValueError("acceptance at temperature > 0 needs the target's distributions: give the target")
     stats = {t: ExpectedAcceptanceStats(k=k) for t in temperatures}
-    per_point: list[dict[str, Any]] = []
-    for point in (tqdm(pts, desc=f"eval {drafter.name} at temperature", unit="pt") if progress else pts):
-        reference = point.target_ids[:k]
-        qs = drafter.path_probs(point.context_ids, reference, settings)
-        logits = None if all(s.greedy for s in settings) else path_logits(target, point.context_ids, reference)
-        row: dict[str, Any] = {"id": point.id, "offset": point.offset}
-        for t, params, q in zip(temperatures, settings, qs):
-            p = reference if params.greedy else warp_probs(logits, params)
-            alphas = acceptance_probabilities(p, q)
-            row[temperature_key(t)] = stats[t].add(alphas, prompt_id=point.id)
-        per_point.append(row)
+    rows: dict[int, dict[str, Any]] = {}
+    groups = shared_paths(pts, k)
+    bar = tqdm(total=len(pts), desc=f"eval {drafter.name} at temperature", unit="pt") if progress else None
+    for path, start, members in groups:
+        logits = path_logits(target, path[:start], path[start:]) if sampled else None
+        shared_q = (drafter.path_probs(path[:start], path[start:], sampled)
+                    if sampled and drafter.teacher_forced_paths else None)
+        for i in members:
+            point = pts[i]
+            reference, at = point.target_ids[:k], len(point.context_ids) - start
+            if shared_q is not None:
+                sampled_q = [q.rows(at, at + k) for q in shared_q]
+            elif sampled:
+                sampled_q = drafter.path_probs(point.context_ids, reference, sampled)
+            else:
+                sampled_q = []
+            if greedy_drafts is not None:
+                greedy_q = DraftDistributions.one_hot(list(greedy_drafts[i])[:k], k)
+            elif len(sampled) < len(settings):
+                greedy_q = drafter.path_probs(point.context_ids, reference, [GREEDY])[0]
+            next_sampled = iter(sampled_q)
+            row: dict[str, Any] = {"id": point.id, "offset": point.offset}
+            for t, params in zip(temperatures, settings):
+                if params.greedy:
+                    alphas = acceptance_probabilities(reference, greedy_q)
+                else:
+                    alphas = acceptance_probabilities(warp_probs(logits[at:at + k], params), next(next_sampled))
+                row[temperature_key(t)] = stats[t].add(alphas, prompt_id=point.id)
+            rows[i] = row
+            if bar:
+                bar.update(1)
+    if bar:
+        bar.close()
     return {"what": TEMPERATURE_NOTE, "drafter": drafter.name, "k": k, "top_p": top_p, "top_k": top_k,
             "temperatures": {temperature_key(t): {"temperature": t, **stats[t].summary()} for t in temperatures},
-            "per_point": per_point}
+            "per_point": [rows[i] for i in range(len(pts))]}
+
+
+def shared_paths(points: Sequence[ValidationPoint], k: int) -> list[tuple[list[int], int, list[int]]]:
+    """Points grouped by the token path they lie on: (path, start, member indices), where every member's
+    context + first k reference tokens is a prefix of ``path`` and ``start`` is the shortest member context."""
+    order = sorted(range(len(points)), key=lambda i: -(len(points[i].context_ids) + len(points[i].target_ids[:k])))
+    groups: list[tuple[list[int], int, list[int]]] = []
+    for i in order:
+        sequence = list(points[i].context_ids) + list(points[i].target_ids[:k])
+        for g, (path, start, members) in enumerate(groups):
+            if path[:len(sequence)] == sequence:
+                members.append(i)
+                groups[g] = (path, min(start, len(points[i].context_ids)), members)
+                break
+        else:
+            groups.append((sequence, len(points[i].context_ids), [i]))
+    return groups

@@ -59,6 +59,10 @@ class DraftDistributions:
         probs[: len(ids)] = 1.0
         return cls(ids, support, probs)
 
+    def rows(self, start: int, stop: int) -> "DraftDistributions":
+        """Positions start..stop-1."""
+        return DraftDistributions(self.ids[start:stop], self.support[start:stop], self.probs[start:stop])
+
     @classmethod
     def full(cls, ids: Sequence[int], probs: torch.Tensor) -> "DraftDistributions":
         """q over the whole vocabulary: ``probs`` [n, V]."""
@@ -103,6 +107,10 @@ class Drafter(ABC):
         with that distribution (q). Here: the greedy draft, q one-hot -- right for a drafter that does not
         sample, and still lossless in speculative sampling (the target accepts token x with probability p(x))."""
         return [DraftDistributions.one_hot(d) for d in self.draft(contexts, num_tokens)]
+
+    # True where path_probs' row i under sampled settings depends only on context + continuation[:i] (a model's
+    # teacher-forced pass): one call along a longer path then serves every evaluation point on it
+    teacher_forced_paths: bool = False
 
     def path_probs(self, context: Sequence[int], continuation: Sequence[int],
                    settings: Sequence[SamplingParams]) -> list[DraftDistributions]:

@@ -101,6 +101,8 @@ class CachedDraftModel(Drafter):
             return super().draft_with_probs(contexts, num_tokens, params, generator)
         return [DraftDistributions.full(*self._draft_one(c, num_tokens, params, generator)) for c in contexts]
 
+    teacher_forced_paths = True
+
     def path_probs(self, context, continuation, settings):
         return model_path_probs(self, self.model, context, continuation, settings)
 

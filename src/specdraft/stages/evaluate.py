@@ -122,9 +122,11 @@ def build_drafter(config: EvalConfig, model_dir: Path | None = None) -> tuple[Dr
     return drafter, source
 
 
-def acceptance_at_temperature(config: EvalConfig, drafter: Drafter, source: dict, points) -> dict[str, Any] | None:
+def acceptance_at_temperature(config: EvalConfig, drafter: Drafter, source: dict, points, *,
+                              greedy_drafts: list[list[int]] | None = None) -> dict[str, Any] | None:
     """``evaluate_at_temperatures`` for the configured drafter (the served pack in process for a server), with
-    where the distributions came from; None without temperatures."""
+    where the distributions came from; None without temperatures. ``greedy_drafts``: the greedy pass's drafts,
+    which temperature 0 scores (greedy acceptance by construction, with no second decode)."""
     temperatures = list(config.temperatures)
     if not temperatures:
         return None
@@ -152,7 +154,8 @@ def acceptance_at_temperature(config: EvalConfig, drafter: Drafter, source: dict
                                       f"the target's vocab size {vocab} ({config.target})")
     try:
         result = evaluate_at_temperatures(in_process or drafter, target, points, temperatures, config.k,
-                                          top_p=config.top_p, top_k=config.top_k, progress=True)
+                                          top_p=config.top_p, top_k=config.top_k, greedy_drafts=greedy_drafts,
+                                          progress=True)
     finally:
         if in_process is not None:
             in_process.close()
@@ -279,7 +282,8 @@ def run_eval(config: EvalConfig) -> int:
                 report["hybrid"] = {"min_ngram": config.hybrid_min_ngram, "lookup_points": drafter.lookup_used,
                                     "model_points": drafter.model_used}
             with torch.inference_mode():
-                report["acceptance_at_temperature"] = acceptance_at_temperature(config, drafter, source, points)
+                report["acceptance_at_temperature"] = acceptance_at_temperature(
+                    config, drafter, source, points, greedy_drafts=[row["draft"] for row in report["per_point"]])
         finally:
             drafter.close()
         report["drafter_source"] = source
