@@ -34,8 +34,9 @@ def test_sampling_is_seeded():
     assert sample_from(probs.unsqueeze(0)).shape == (1, 5)
 
 
-@pytest.mark.parametrize("field,kwargs", [("temperature", {"temperature": -1.0}), ("temperature", {"temperature": float("nan")}),
-                                          ("top_p", {"top_p": 0.0}), ("top_p", {"top_p": 1.5}), ("top_k", {"top_k": -2})])
+@pytest.mark.parametrize("field,kwargs", [
+    ("temperature", {"temperature": -1.0}), ("temperature", {"temperature": float("nan")}),
+    ("top_p", {"top_p": 0.0}), ("top_p", {"top_p": 1.5}), ("top_k", {"top_k": -2})])
 def test_bad_settings_name_their_field(field, kwargs):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)

@@ -10,16 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Iterable, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    Strict,
-    ValidationInfo,
-    WithJsonSchema,
-    create_model,
-    field_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, WithJsonSchema, create_model, field_validator
 
 from specdraft.model.decode import DraftSampling
 from specdraft.model.sampling import SamplingParams
