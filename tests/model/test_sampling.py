@@ -57,3 +57,12 @@ def test_top_p_equals_a_full_sort_of_the_vocabulary(top_p, scale):
     logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(3)) * scale
     torch.testing.assert_close(warp_probs(logits, SamplingParams(temperature=1.0, top_p=top_p)),
                                _nucleus_by_full_sort(logits, top_p))
+
+
+def test_sample_from_draws_the_distribution_and_never_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    draws = sample_from(probs.expand(20000, -1).contiguous(), torch.Generator().manual_seed(1))
+    counts = torch.bincount(draws, minlength=6).float() / 20000
+    assert counts[[0, 2, 5]].sum() == 0
+    # 20,000 draws: each frequency within 0.02 of its probability (about 4.5 standard deviations at p = 0.5)
+    assert torch.allclose(counts, probs, atol=0.02)
