@@ -195,7 +195,7 @@ def _at_temperature(**pooled):
 
 def test_the_acceptance_table_has_columns_at_temperature(tmp_path, monkeypatch):
     """Eval's temperatures above 0 as columns, filled from each report's acceptance at temperature; '-' where a
-    report has none (the untrained init, the draft behind lookup)."""
+    report has none (here the untrained init's stub); every drafter's eval is asked for them."""
     files = {"eval/trained/report.json": {**STUB_FILES["eval/trained/report.json"],
                                           **_at_temperature(**{"0.0": 0.71, "0.7": 0.93, "1.0": 1.02})},
              "eval/self/report.json": {**STUB_FILES["eval/self/report.json"],
@@ -211,7 +211,8 @@ def test_the_acceptance_table_has_columns_at_temperature(tmp_path, monkeypatch):
     # the served draft's distributions come from its pack in process; the marker follows the temperatures
     assert "from the pack the server serves, loaded in process" in text
     assert stages["eval_trained"]["fingerprint"]["temperatures"] == [0.0, 0.7, 1.0]
-    for name, temperatures in (("eval_self", [0.0, 0.7, 1.0]), ("eval_lookup", [0.0, 0.7, 1.0]), ("eval_init", [])):
+    for name, temperatures in (("eval_self", [0.0, 0.7, 1.0]), ("eval_lookup", [0.0, 0.7, 1.0]),
+                               ("eval_init", [0.0, 0.7, 1.0])):
         fingerprint = stages[name]["fingerprint"]
         assert fingerprint["temperatures"] == temperatures and fingerprint["target"] == demo.DEFAULT_TARGET
 

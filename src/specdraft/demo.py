@@ -277,9 +277,8 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path, init_spec: str, fr
 
     validation = run_dir / "validation" / "validation.jsonl"
     reports: dict[str, dict] = {}
-    # Acceptance at temperature for the drafters the summary's table reports it for (the target loaded by each eval);
-    # the untrained init and the draft behind lookup at greedy only.
-    for name, kwargs in (("init", {"model_dir": run_dir / "init", "temperatures": []}), ("lookup", {"lookup": True}),
+    # Acceptance at temperature for every drafter of the summary's table (the target loaded by each eval)
+    for name, kwargs in (("init", {"model_dir": run_dir / "init"}), ("lookup", {"lookup": True}),
                          ("self", {"model_dir": run_dir / "model_self", "compute": "int4", "threads": cfg.threads})):
         ecfg = EvalConfig(validation=validation, out=run_dir / "eval" / name, device=cfg.device, target=cfg.target,
                           **kwargs)
@@ -301,7 +300,8 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path, init_spec: str, fr
             exit_code = run_eval(ecfg)
             # The same server behind prompt lookup (the lookup runs here, in the client, never in the server).
             hcfg = EvalConfig(validation=validation, server=server.url, out=run_dir / "eval" / "trained_lookup",
-                              hybrid_min_ngram=DEFAULT_HYBRID_MIN_NGRAM, temperatures=[])
+                              hybrid_min_ngram=DEFAULT_HYBRID_MIN_NGRAM, pack_dir=run_dir / "model", compute="int4",
+                              target=cfg.target, device=cfg.device, threads=cfg.threads)
             return max(exit_code, run_eval(hcfg))
         finally:
             server.stop()
