@@ -273,14 +273,19 @@ def model(tiny_qwen3_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
 
 
+def real_lanes_scheduler(model, num_draft: int, long_context: int = 24) -> Scheduler:
+    """A started scheduler over real slot lanes: 4 short rows, and one long row prefilled in chunks of 8."""
+    short = SlotLane(model, 4, long_context + num_draft, num_draft)
+    long = SlotLane(model, 1, 120 + num_draft, num_draft)
+    return Scheduler(short, long, num_draft=num_draft, long_context_tokens=long_context, prefill_tokens=32,
+                     chunk_tokens=8).start()
+
+
 def test_real_lanes_give_every_request_the_draft_it_gets_alone(model):
     """Short contexts decoded together and long ones prefilled in chunks between their steps: each request's
     tokens equal ``draft_batch`` on its context alone."""
-    num_draft, long_context = 6, 24
-    short = SlotLane(model, 4, long_context + num_draft, num_draft)
-    long = SlotLane(model, 1, 120 + num_draft, num_draft)
-    s = Scheduler(short, long, num_draft=num_draft, long_context_tokens=long_context, prefill_tokens=32,
-                  chunk_tokens=8).start()
+    num_draft = 6
+    s = real_lanes_scheduler(model, num_draft)
     rng = random.Random(0)
     vocab = model.config.vocab_size
     contexts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (3, 17, 24, 5, 80, 120, 9, 60)]
@@ -296,11 +301,8 @@ def test_real_lanes_give_every_request_the_draft_it_gets_alone(model):
 def test_real_lanes_give_sampled_requests_their_drafts_alone_beside_greedy_ones(model):
     """Requests with different settings share the lanes' batches: each gets the draft (tokens, probabilities)
     ``draft_rows`` gives its context alone with the same settings and seed."""
-    num_draft, long_context = 6, 24
-    short = SlotLane(model, 4, long_context + num_draft, num_draft)
-    long = SlotLane(model, 1, 120 + num_draft, num_draft)
-    s = Scheduler(short, long, num_draft=num_draft, long_context_tokens=long_context, prefill_tokens=32,
-                  chunk_tokens=8).start()
+    num_draft = 6
+    s = real_lanes_scheduler(model, num_draft)
     rng = random.Random(1)
     vocab = model.config.vocab_size
     contexts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (3, 17, 17, 5, 80, 9, 60)]

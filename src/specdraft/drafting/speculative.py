@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from specdraft.drafting.base import Drafter, DrafterError
+from specdraft.drafting.base import DraftDistributions, Drafter, DrafterError
 from specdraft.drafting.metrics import accepted_length
 from specdraft.model.decode import crop_cache, extend
 from specdraft.model.sampling import GREEDY, SamplingParams, sample_from, warp_probs
@@ -59,29 +59,27 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], max_ne
     if not prompt:
         raise ValueError("the prompt needs at least one token")
     target = as_target(target)
-    vocab = target.vocab_size
     eos = set(target.eos_ids if eos_ids is None else eos_ids)
-    if not sampling.greedy:
-        return _speculative_sample(target, drafter, prompt, max_new_tokens, k, eos, sampling, generator)
+    step = GreedyStep(target, drafter) if sampling.greedy else SampledStep(target, drafter, sampling, generator)
     drafter.reset()
     started = time.perf_counter()
-    gen = SpecGeneration(tokens=[target.prefill(prompt)], finish_reason="length")
+    gen = SpecGeneration(tokens=[step.first(prompt)], finish_reason="length")
     gen.verify_seconds += time.perf_counter() - started
     if gen.tokens[0] in eos:
         gen.finish_reason = "eos"
         return gen
+    vocab = target.vocab_size
     while len(gen.tokens) < max_new_tokens:
         # Drafting more than the tokens still wanted (minus the target's own bonus token) is wasted work.
         kk = min(k, max_new_tokens - len(gen.tokens) - 1)
         t0 = time.perf_counter()
-        draft = drafter.draft_one(prompt + gen.tokens, kk)[:kk] if kk > 0 else []
+        draft = step.propose(prompt + gen.tokens, kk) if kk > 0 else []
         t1 = time.perf_counter()
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in draft):
             raise DrafterError(f"drafter {drafter.name!r} proposed ids outside the "
                                f"target vocab (0..{vocab - 1}): {draft}")
         start = len(prompt) + len(gen.tokens) - 1  # the cache holds everything but the last token
-        preds = target.verify([gen.tokens[-1]] + draft, start)  # preds[i]: target's next token after draft[:i]
-        n = accepted_length(draft, preds)
+        n, nxt = step.settle(draft, gen.tokens[-1], start)
         target.truncate(start + 1 + n)
         gen.verify_seconds += time.perf_counter() - t1
         gen.draft_seconds += t1 - t0
@@ -89,7 +87,7 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], max_ne
         gen.drafted += len(draft)
         gen.accepted += n
         gen.accepted_per_step.append(n)
-        for tok in draft[:n] + [preds[n]]:
+        for tok in draft[:n] + [nxt]:
             gen.tokens.append(tok)
             if tok in eos:
                 gen.finish_reason = "eos"
@@ -97,6 +95,26 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], max_ne
             if len(gen.tokens) >= max_new_tokens:
                 break
     return gen
+
+
+class GreedyStep:
+    """One greedy step's two halves: the drafter's greedy draft; the target's argmax at every drafted position,
+    the matching prefix kept and the target's own next token after it."""
+
+    def __init__(self, target: TargetModel, drafter: Drafter):
+        self.target, self.drafter = target, drafter
+
+    def first(self, prompt: list[int]) -> int:
+        return self.target.prefill(prompt)
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        return self.drafter.draft_one(context, k)[:k]
+
+    def settle(self, draft: list[int], last: int, start: int) -> tuple[int, int]:
+        """(tokens of ``draft`` kept, the next token) after the target's pass over [last, *draft] at ``start``."""
+        preds = self.target.verify([last] + draft, start)  # preds[i]: target's next token after draft[:i]
+        n = accepted_length(draft, preds)
+        return n, preds[n]
 
 
 # --------------------------------------------------------------------------------------- sampling
@@ -138,54 +156,34 @@ class SamplingTarget:
         return warp_probs(extend(self.target.model, list(tokens), self.target.cache, start)[0], self.params).cpu()
 
 
-def _speculative_sample(target: TargetModel, drafter: Drafter, prompt: list[int], max_new_tokens: int, k: int,
-                        eos: set[int], params: SamplingParams, generator: torch.Generator | None) -> SpecGeneration:
-    sampler = SamplingTarget(target, params)
-    vocab = target.vocab_size
-    drafter.reset()
-    started = time.perf_counter()
-    gen = SpecGeneration(tokens=[int(sample_from(sampler.prefill(prompt), generator))], finish_reason="length")
-    gen.verify_seconds += time.perf_counter() - started
-    if gen.tokens[0] in eos:
-        gen.finish_reason = "eos"
-        return gen
-    while len(gen.tokens) < max_new_tokens:
-        kk = min(k, max_new_tokens - len(gen.tokens) - 1)
-        t0 = time.perf_counter()
-        proposal = drafter.draft_with_probs([prompt + gen.tokens], kk, params, generator)[0] if kk > 0 else None
-        t1 = time.perf_counter()
-        draft = proposal.ids[:kk] if proposal is not None else []
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in draft):
-            raise DrafterError(f"drafter {drafter.name!r} proposed ids outside the "
-                               f"target vocab (0..{vocab - 1}): {draft}")
-        start = len(prompt) + len(gen.tokens) - 1  # the cache holds everything but the last token
-        p = sampler.verify([gen.tokens[-1]] + draft, start)  # p[i]: the target's distribution after draft[:i]
-        q = proposal.dense(vocab)[: len(draft)] if draft else None
-        n, nxt = 0, None
+class SampledStep:
+    """One speculative-sampling step's two halves: the drafter's draft sampled from q (kept with its
+    distributions); each drafted token kept with probability min(1, p/q), the first refusal replaced by a draw from
+    normalise(max(0, p - q)), or with all kept a bonus token from p."""
+
+    def __init__(self, target: TargetModel, drafter: Drafter, params: SamplingParams,
+                 generator: torch.Generator | None):
+        self.sampler = SamplingTarget(target, params)
+        self.drafter, self.params, self.generator = drafter, params, generator
+        self.vocab = target.vocab_size
+        self.proposal: DraftDistributions | None = None
+
+    def first(self, prompt: list[int]) -> int:
+        return int(sample_from(self.sampler.prefill(prompt), self.generator))
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        self.proposal = self.drafter.draft_with_probs([context], k, self.params, self.generator)[0]
+        return self.proposal.ids[:k]
+
+    def settle(self, draft: list[int], last: int, start: int) -> tuple[int, int]:
+        p = self.sampler.verify([last] + draft, start)  # p[i]: the target's distribution after draft[:i]
+        q = self.proposal.dense(self.vocab)[: len(draft)] if draft else None
         for i, x in enumerate(draft):
-            u = float(torch.rand((), generator=generator))
-            if u < acceptance_probability(float(p[i, x]), float(q[i, x])):
-                n += 1
-                continue
-            nxt = int(sample_from(residual_distribution(p[i], q[i]), generator))
-            break
-        if nxt is None:  # every draft token kept: the bonus token from the target's own distribution
-            nxt = int(sample_from(p[n], generator))
-        target.truncate(start + 1 + n)
-        gen.verify_seconds += time.perf_counter() - t1
-        gen.draft_seconds += t1 - t0
-        gen.steps += 1
-        gen.drafted += len(draft)
-        gen.accepted += n
-        gen.accepted_per_step.append(n)
-        for tok in draft[:n] + [nxt]:
-            gen.tokens.append(tok)
-            if tok in eos:
-                gen.finish_reason = "eos"
-                return gen
-            if len(gen.tokens) >= max_new_tokens:
-                break
-    return gen
+            u = float(torch.rand((), generator=self.generator))
+            if u >= acceptance_probability(float(p[i, x]), float(q[i, x])):
+                return i, int(sample_from(residual_distribution(p[i], q[i]), self.generator))
+        # every draft token kept: the bonus token from the target's own distribution
+        return len(draft), int(sample_from(p[len(draft)], self.generator))
 
 
 def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
