@@ -85,9 +85,11 @@ class Budget:
     llama_full_precision: bool = True
 
 
-# The draft keeps 24 of the target's 30 layers (drops 16-21) and trains only the last 12 (the first 12 stay
-# frozen): the depth that accepted most on MT-bench of those tried (BENCHMARKS.md, "What we tried").
-DRAFT_INIT = "truncate:{target}:" + ",".join(str(i) for i in [*range(16), *range(22, 30)])
+# The draft keeps 24 of the target's 30 layers and trains only the last 12 (the first 12 stay frozen). Which 24:
+# greedy elimination on the target's traces (`bench/bench_layer_choice.py`, model.layer_choice) drops 3, 5, 13, 14,
+# 17 and 25; untrained, that cut accepts about four times as much as dropping the block 16-21 (BENCHMARKS.md,
+# "Which layers").
+DRAFT_INIT = "truncate:{target}:" + ",".join(str(i) for i in range(30) if i not in (3, 5, 13, 14, 17, 25))
 FROZEN_LAYERS = 12
 # The self-draft (the target's own weights, packed, untrained) keeps its embedding in f16: the embedded
 # target's linear layers sit on a 4-bit grid already (stored exactly), its Q8_0 embedding does not, and at 4
@@ -104,7 +106,9 @@ BUDGETS: dict[str, Budget] = {
                     freeze_layers=FROZEN_LAYERS, val_prompts=16, val_tokens=64, spec_prompts=4, spec_tokens=32,
                     spec_k=[16], spec_repeats=2, qat=True, compile_drafts=False, predict=False, llama_k=[4],
                     llama_full_precision=False),
-    "default": Budget(trace_prompts=480, trace_tokens=128, draft_init=DRAFT_INIT, epochs=3, lr=5e-4,
+    # 1,200 traces for 1 epoch rather than 480 for 3: about the same wall time, and more data beat more epochs
+    # (BENCHMARKS.md, "More traces, one epoch")
+    "default": Budget(trace_prompts=1200, trace_tokens=128, draft_init=DRAFT_INIT, epochs=1, lr=5e-4,
                       freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=128, spec_prompts=8, spec_tokens=96,
                       spec_repeats=2, gptq=True),
     "full": Budget(trace_prompts=2000, trace_tokens=128, draft_init=DRAFT_INIT, epochs=3, lr=5e-4,

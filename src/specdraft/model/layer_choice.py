@@ -1,0 +1,123 @@
+"""Which of the target's layers a ``truncate:`` draft keeps: greedy elimination, scored teacher-forced.
+
+A draft cut from the target loses most where it loses a layer the rest depend on, and which layers those are is a
+property of the target, not of their position (dropping one contiguous middle block is a guess). Starting from every
+layer, each round removes the layer whose absence raises the cross-entropy of the target's own greedy tokens least,
+until ``keep`` remain. Teacher forcing is exact for greedy drafting: a draft's accepted length from a position is the
+run of positions where its argmax equals the target's token, so one forward pass per candidate scores it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specdraft.core.records import Example
+
+
+@dataclass(frozen=True)
+class LayerScore:
+    """A stack of layers, scored on the target's greedy tokens."""
+
+    layers: list[int]
+    cross_entropy: float  # mean, per completion token
+    agreement: float  # share of completion tokens where the stack's argmax is the target's token
+    accepted: float  # mean run of agreeing tokens (of at most ``k``) from every completion position
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LayerDrop:
+    """One elimination round: the layer removed and the stack left."""
+
+    dropped: int
+    score: LayerScore
+    runner_up: int | None  # the next-best layer to remove this round
+
+
+def _batches(examples: Sequence[Example], batch_size: int, pad_id: int):
+    """(input_ids, attention_mask, labels) with labels = next token at completion positions, -100 elsewhere."""
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        width = max(len(e.input_ids) for e in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+        for row, e in enumerate(chunk):
+            n = len(e.input_ids)
+            ids[row, :n] = torch.tensor(e.input_ids)
+            mask[row, :n] = 1
+            targets = e.targets if e.targets is not None else e.completion
+            # logits at position p predict token p + 1: the completion's targets sit one to the left
+            labels[row, e.prompt_len - 1:n - 1] = torch.tensor(targets)
+        yield ids, mask, labels
+
+
+def accepted_runs(matches: list[bool], k: int) -> list[int]:
+    """From every position, how many of the next ``k`` positions agree before the first that does not."""
+    runs, current = [0] * len(matches), 0
+    for j in range(len(matches) - 1, -1, -1):  # a run from j is 1 + the run from j + 1 while j agrees
+        current = current + 1 if matches[j] else 0
+        runs[j] = min(current, k)
+    return runs
+
+
+@torch.no_grad()
+def score_layers(model, layers: Sequence[int], examples: Sequence[Example], *, k: int = 16, batch_size: int = 8,
+                 pad_id: int = 0) -> LayerScore:
+    """``model`` computing with only ``layers`` of its decoder stack (restored after), on the examples' targets."""
+    stack = model.model.layers
+    n_config = model.config.num_hidden_layers
+    model.model.layers = torch.nn.ModuleList([stack[i] for i in layers])
+    model.config.num_hidden_layers = len(layers)
+    was_training = model.training
+    model.eval()
+    try:
+        ce_sum, tokens, agreeing, runs = 0.0, 0, 0, []
+        for ids, mask, labels in _batches(examples, batch_size, pad_id):
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()  # [B, T, V]
+            scored = labels != -100
+            ce_sum += float(F.cross_entropy(logits[scored], labels[scored], reduction="sum"))
+            tokens += int(scored.sum())
+            match = (logits.argmax(-1) == labels) & scored
+            agreeing += int(match.sum())
+            for row in range(ids.shape[0]):
+                runs += accepted_runs(match[row][scored[row]].tolist(), k)
+    finally:
+        model.model.layers = stack
+        model.config.num_hidden_layers = n_config
+        model.train(was_training)
+    return LayerScore(list(layers), ce_sum / max(1, tokens), agreeing / max(1, tokens),
+                      sum(runs) / max(1, len(runs)))
+
+
+def choose_layers(model, examples: Sequence[Example], keep: int, *, fixed: Sequence[int] | None = None,
+                  k: int = 16, batch_size: int = 8, pad_id: int = 0,
+                  progress: Callable[[LayerDrop], None] | None = None) -> list[LayerDrop]:
+    """Greedy elimination from the full stack down to ``keep`` layers; the rounds in order (the last one's
+    ``score.layers`` is the choice). ``fixed`` layers are never removed (default: the first and the last, which
+    map tokens into and out of the residual stream)."""
+    n_layers = model.config.num_hidden_layers
+    if not 1 <= keep <= n_layers:
+        raise ValueError(f"keep={keep}: a {n_layers}-layer model keeps 1..{n_layers}")
+    fixed = {0, n_layers - 1} if fixed is None else set(fixed)
+    if len(fixed) > keep:
+        raise ValueError(f"keep={keep} is fewer than the {len(fixed)} fixed layers {sorted(fixed)}")
+    current, rounds = list(range(n_layers)), []
+    while len(current) > keep:
+        candidates = sorted(
+            ((score_layers(model, [i for i in current if i != j], examples, k=k, batch_size=batch_size,
+                           pad_id=pad_id), j) for j in current if j not in fixed),
+            key=lambda scored: (scored[0].cross_entropy, scored[1]))
+        (best, dropped), runner_up = candidates[0], candidates[1][1] if len(candidates) > 1 else None
+        current = best.layers
+        drop = LayerDrop(dropped, best, runner_up)
+        rounds.append(drop)
+        if progress is not None:
+            progress(drop)
+    return rounds
