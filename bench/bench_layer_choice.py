@@ -3,10 +3,11 @@ stack, each round dropping the layer whose absence raises the cross-entropy of t
 (``specdraft.model.layer_choice``), scored teacher-forced on traces; the demo's earlier cut (0-15 + 22-29) scored the
 same way beside it. Prints each round and writes the rounds, the chosen ``truncate:`` init and both scores.
 
-    python bench/bench_layer_choice.py --traces TRACES.jsonl --keep 24 --examples 16 --out layer_choice.json
+    python bench/bench_layer_choice.py --traces TRACES.jsonl --first-row 1000 --examples 16 --keep 24 \
+        --out layer_choice.json
 
-The traces' last rows are used (rows of at most --max-len tokens), so a run that trains on the first rows of the same
-file scores on rows it does not train on.
+The first --examples rows of at most --max-len tokens from row --first-row on are scored, so that a run training on
+the file's first rows scores rows it does not train on.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def main() -> None:
     ap.add_argument("--traces", required=True)
     ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--keep", type=int, default=24)
-    ap.add_argument("--examples", type=int, default=16, help="traces scored (from the end of the file)")
+    ap.add_argument("--first-row", type=int, default=0, help="the first row of the traces file to score")
+    ap.add_argument("--examples", type=int, default=16, help="traces scored")
     ap.add_argument("--max-len", type=int, default=300, help="skip traces longer than this (tokens)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", required=True)
@@ -38,7 +40,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(resolve_model(args.target), dtype=torch.float32).eval()
-    rows = [e for e in reversed(read_traces(args.traces, 1024)) if len(e.input_ids) <= args.max_len]
+    rows = [e for e in read_traces(args.traces, 1024)[args.first_row:] if len(e.input_ids) <= args.max_len]
     examples = rows[:args.examples]
     print(f"{len(examples)} traces, {sum(len(e.completion) for e in examples)} completion tokens", flush=True)
 
