@@ -29,6 +29,8 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
                    "held-out evaluation points: context_ids and the target's next 16 greedy tokens"),
     "label": ("specdraft.stages.label", "LabelConfig", "run_label",
               "teacher-forced labels: the target's argmax at every position of reference answers"),
+    "choose-layers": ("specdraft.stages.choose_layers", "ChooseLayersConfig", "run_choose_layers",
+                      "which of the target's layers a truncate: draft keeps (greedy elimination on traces)"),
     "train": ("specdraft.stages.train", "TrainConfig", "run_train", "distil the draft from the target's traces"),
     "pack": ("specdraft.stages.pack", "PackConfig", "run_pack", "pack a checkpoint into the QD04 4-bit model dir"),
     "export": ("specdraft.stages.export", "ExportConfig", "run_export", "export the draft as GGUF or HF safetensors"),

@@ -87,9 +87,8 @@ class Budget:
 
 
 # The draft keeps 24 of the target's 30 layers and trains only the last 12 (the first 12 stay frozen). Which 24:
-# greedy elimination on the target's traces (`bench/bench_layer_choice.py`, model.layer_choice) drops 3, 5, 13, 14,
-# 17 and 25; untrained, that cut accepts about four times as much as dropping the block 16-21 (BENCHMARKS.md,
-# "Which layers").
+# greedy elimination on the target's traces (`specdraft choose-layers`) drops 3, 5, 13, 14, 17 and 25; untrained,
+# that cut accepts about four times as much as dropping the block 16-21 (BENCHMARKS.md, "Which layers").
 DRAFT_INIT = "truncate:{target}:" + ",".join(str(i) for i in range(30) if i not in (3, 5, 13, 14, 17, 25))
 FROZEN_LAYERS = 12
 # The self-draft (the target's own weights, packed, untrained) keeps its embedding in f16: the embedded

@@ -110,3 +110,20 @@ def plot_throughput_by_k(series: Mapping[str, Mapping[int, float]], baseline: fl
     ax.legend(fontsize=8)
     ax.set_title(title)
     return _save(fig, path)
+
+
+def plot_lines(series: Mapping[str, Mapping[int, float]], path: str | os.PathLike, *, xlabel: str, ylabel: str,
+               title: str) -> Path:
+    """One line per series over integer x values."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    for name, points in series.items():
+        xs = sorted(points)
+        ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    return _save(fig, path)

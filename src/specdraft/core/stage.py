@@ -37,6 +37,20 @@ def side_paths(out: Path) -> tuple[Path, Path]:
     return out.with_name(out.stem + ".summary.json"), out.with_name(out.stem + ".log")
 
 
+def summary_path(records: str | Path) -> Path:
+    """The summary the writing stage keeps beside its output: X.summary.json for X.jsonl (``side_paths``)."""
+    return side_paths(Path(records))[0]
+
+
+def recorded_target(records: str | Path) -> str | None:
+    """The target spec recorded in the summary beside a traces or labels file, if it records one."""
+    path = summary_path(records)
+    target = read_json(path).get("target") if path.is_file() else None
+    if isinstance(target, dict):
+        return target.get("spec")
+    return target if isinstance(target, str) else None
+
+
 def resume_key(target: dict[str, Any], cfg: StageConfig, template: bool, extra: dict[str, Any]) -> dict[str, Any]:
     """What must match for a rerun to append to an existing output."""
     return {"target_weights_sha256": target.get("weights_sha256"), "target_gguf_sha256": target.get("gguf_sha256"),

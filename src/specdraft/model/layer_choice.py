@@ -39,6 +39,14 @@ class LayerDrop:
     score: LayerScore
     runner_up: int | None  # the next-best layer to remove this round
 
+    def to_json(self) -> dict:
+        return {"dropped": self.dropped, "runner_up": self.runner_up, **self.score.to_json()}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "LayerDrop":
+        return cls(obj["dropped"], LayerScore(list(obj["layers"]), obj["cross_entropy"], obj["agreement"],
+                                              obj["accepted"]), obj["runner_up"])
+
 
 def _batches(examples: Sequence[Example], batch_size: int, pad_id: int):
     """(input_ids, attention_mask, labels) with labels = next token at completion positions, -100 elsewhere."""
@@ -77,9 +85,11 @@ def score_layers(model, layers: Sequence[int], examples: Sequence[Example], *, k
     model.config.num_hidden_layers = len(layers)
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     try:
         ce_sum, tokens, agreeing, runs = 0.0, 0, 0, []
-        for ids, mask, labels in _batches(examples, batch_size, pad_id):
+        for batch in _batches(examples, batch_size, pad_id):
+            ids, mask, labels = (t.to(device) for t in batch)
             logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()  # [B, T, V]
             scored = labels != -100
             ce_sum += float(F.cross_entropy(logits[scored], labels[scored], reduction="sum"))
@@ -98,17 +108,20 @@ def score_layers(model, layers: Sequence[int], examples: Sequence[Example], *, k
 
 def choose_layers(model, examples: Sequence[Example], keep: int, *, fixed: Sequence[int] | None = None,
                   k: int = 16, batch_size: int = 8, pad_id: int = 0,
+                  done: Sequence[LayerDrop] = (),
                   progress: Callable[[LayerDrop], None] | None = None) -> list[LayerDrop]:
     """Greedy elimination from the full stack down to ``keep`` layers; the rounds in order (the last one's
     ``score.layers`` is the choice). ``fixed`` layers are never removed (default: the first and the last, which
-    map tokens into and out of the residual stream)."""
+    map tokens into and out of the residual stream). ``done``: rounds of an interrupted run on the same inputs,
+    continued from (the elimination is deterministic, so they are the new run's first rounds)."""
     n_layers = model.config.num_hidden_layers
     if not 1 <= keep <= n_layers:
         raise ValueError(f"keep={keep}: a {n_layers}-layer model keeps 1..{n_layers}")
     fixed = {0, n_layers - 1} if fixed is None else set(fixed)
     if len(fixed) > keep:
         raise ValueError(f"keep={keep} is fewer than the {len(fixed)} fixed layers {sorted(fixed)}")
-    current, rounds = list(range(n_layers)), []
+    rounds = list(done)
+    current = list(rounds[-1].score.layers) if rounds else list(range(n_layers))
     while len(current) > keep:
         candidates = sorted(
             ((score_layers(model, [i for i in current if i != j], examples, k=k, batch_size=batch_size,

@@ -53,7 +53,7 @@ from specdraft.core.config import StageConfig
 from specdraft.core.io import atomic_write_json, read_json, sha256_file
 from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.core.records import Example, read_traces
-from specdraft.core.stage import side_paths
+from specdraft.core.stage import recorded_target, summary_path
 from specdraft.drafting.metrics import AcceptanceStats
 from specdraft.model.specs import (
     DEFAULT_TARGET,
@@ -194,20 +194,6 @@ def launched_processes() -> int:
     if not world.isdigit() or int(world) < 1:
         raise ValueError(f"WORLD_SIZE={world!r}: expected a positive process count")
     return int(world)
-
-
-def summary_path(records: str | Path) -> Path:
-    """The summary the writing stage keeps beside its output: X.summary.json for X.jsonl (``side_paths``)."""
-    return side_paths(Path(records))[0]
-
-
-def recorded_target(records: str | Path) -> str | None:
-    """The target spec recorded in the summary beside a traces or labels file, if it records one."""
-    path = summary_path(records)
-    target = read_json(path).get("target") if path.is_file() else None
-    if isinstance(target, dict):
-        return target.get("spec")
-    return target if isinstance(target, str) else None
 
 
 def check_tokenizer(draft_tokenizer, target_spec: str) -> None:
