@@ -106,8 +106,8 @@ BUDGETS: dict[str, Budget] = {
                     freeze_layers=FROZEN_LAYERS, val_prompts=16, val_tokens=64, spec_prompts=4, spec_tokens=32,
                     spec_k=[16], spec_repeats=2, qat=True, compile_drafts=False, predict=False, llama_k=[4],
                     llama_full_precision=False),
-    # 1,200 traces for 1 epoch rather than 480 for 3: about the same wall time, and more data beat more epochs
-    # (BENCHMARKS.md, "More traces, one epoch")
+    # 1,200 traces for 1 epoch rather than 480 for 3: more data beat more epochs in about the same training time
+    # (BENCHMARKS.md, "More traces, one epoch"); the traces cost the budget 1.13x its earlier wall time
     "default": Budget(trace_prompts=1200, trace_tokens=128, draft_init=DRAFT_INIT, epochs=1, lr=5e-4,
                       freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=128, spec_prompts=8, spec_tokens=96,
                       spec_repeats=2, gptq=True),
