@@ -89,37 +89,19 @@ def plot_bars(values: Mapping[str, float], path: str | os.PathLike, *, ylabel: s
     return _save(fig, path)
 
 
-def plot_throughput_by_k(series: Mapping[str, Mapping[int, float]], baseline: float, path: str | os.PathLike,
-                         title: str = "speculative decoding throughput", ylabel: str = "tokens/s") -> Path:
-    """tokens/s per k, one line per drafter, and the plain greedy baseline as a horizontal line."""
+def _line_figure(series: Mapping[str, Mapping[int, float]]):
+    """(figure, axes, every x) with one marked line per series over its integer x values."""
     fig = _figure()
     ax = fig.add_subplot()
-    all_k: set[int] = set()
-    for name, per_k in series.items():
-        ks = sorted(per_k)
-        all_k.update(ks)
-        ax.plot(ks, [per_k[k] for k in ks], marker="o", label=name)
-    ax.axhline(baseline, color="gray", linestyle="--", label=f"plain greedy ({baseline:.1f} tok/s)")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted(all_k))
-    ax.set_xticklabels([str(k) for k in sorted(all_k)])
-    ax.set_xlabel("draft tokens per step k")
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title)
-    return _save(fig, path)
-
-
-def plot_lines(series: Mapping[str, Mapping[int, float]], path: str | os.PathLike, *, xlabel: str, ylabel: str,
-               title: str) -> Path:
-    """One line per series over integer x values."""
-    fig = _figure()
-    ax = fig.add_subplot()
+    all_x: set[int] = set()
     for name, points in series.items():
         xs = sorted(points)
+        all_x.update(xs)
         ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
+    return fig, ax, sorted(all_x)
+
+
+def _finish_lines(fig, ax, path: str | os.PathLike, *, xlabel: str, ylabel: str, title: str) -> Path:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_ylim(bottom=0)
@@ -127,3 +109,21 @@ def plot_lines(series: Mapping[str, Mapping[int, float]], path: str | os.PathLik
     ax.legend(fontsize=8)
     ax.set_title(title)
     return _save(fig, path)
+
+
+def plot_throughput_by_k(series: Mapping[str, Mapping[int, float]], baseline: float, path: str | os.PathLike,
+                         title: str = "speculative decoding throughput", ylabel: str = "tokens/s") -> Path:
+    """tokens/s per k, one line per drafter, and the plain greedy baseline as a horizontal line."""
+    fig, ax, all_k = _line_figure(series)
+    ax.axhline(baseline, color="gray", linestyle="--", label=f"plain greedy ({baseline:.1f} tok/s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(all_k)
+    ax.set_xticklabels([str(k) for k in all_k])
+    return _finish_lines(fig, ax, path, xlabel="draft tokens per step k", ylabel=ylabel, title=title)
+
+
+def plot_lines(series: Mapping[str, Mapping[int, float]], path: str | os.PathLike, *, xlabel: str, ylabel: str,
+               title: str) -> Path:
+    """One line per series over integer x values."""
+    fig, ax, _ = _line_figure(series)
+    return _finish_lines(fig, ax, path, xlabel=xlabel, ylabel=ylabel, title=title)
