@@ -106,11 +106,11 @@ BUDGETS: dict[str, Budget] = {
                     freeze_layers=FROZEN_LAYERS, val_prompts=16, val_tokens=64, spec_prompts=4, spec_tokens=32,
                     spec_k=[16], spec_repeats=2, qat=True, compile_drafts=False, predict=False, llama_k=[4],
                     llama_full_precision=False),
-    # 1,200 traces for 1 epoch rather than 480 for 3: more data beat more epochs in about the same training time
-    # (BENCHMARKS.md, "More traces, one epoch"); the traces cost the budget 1.13x its earlier wall time
-    "default": Budget(trace_prompts=1200, trace_tokens=128, draft_init=DRAFT_INIT, epochs=1, lr=5e-4,
+    # 960 traces for 1 epoch rather than 480 for 3: more data beat more epochs (BENCHMARKS.md, "More traces, one
+    # epoch"); scored every 100 steps rather than 25 so that the extra traces fit the budget's earlier wall time
+    "default": Budget(trace_prompts=960, trace_tokens=128, draft_init=DRAFT_INIT, epochs=1, lr=5e-4,
                       freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=128, spec_prompts=8, spec_tokens=96,
-                      spec_repeats=2, gptq=True),
+                      spec_repeats=2, gptq=True, eval_every=100),
     # 2 epochs, scored every 100 steps: at 3 epochs scored every 25 (about 45% of the training time) the budget
     # took 4.8 h, over the 4 h it is meant for
     "full": Budget(trace_prompts=2000, trace_tokens=128, draft_init=DRAFT_INIT, epochs=2, lr=5e-4,
