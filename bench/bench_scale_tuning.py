@@ -32,9 +32,10 @@ from torch import nn
 from specdraft.core.io import atomic_write_json, sha256_file
 from specdraft.core.provenance import run_metadata
 from specdraft.core.records import read_traces
+from specdraft.model.batching import collate
 from specdraft.model.loader import load_packed_model
 from specdraft.quant import q4g, qd4
-from specdraft.stages.train import collate, make_batches, simulated_acceptance
+from specdraft.stages.train import make_batches, simulated_acceptance
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gptq import validation_examples  # noqa: E402

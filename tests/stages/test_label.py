@@ -8,9 +8,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdraft.core.io import RecordFileError
 from specdraft.core.records import read_answers, read_traces
+from specdraft.model.batching import collate
 from specdraft.model.chat import encode_prompts
 from specdraft.stages.label import LabelConfig, answer_ids, label_batch, run_label
-from specdraft.stages.train import TrainConfig, collate, run_train
+from specdraft.stages.train import TrainConfig, run_train
 
 
 def _prompts(path, n=12):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.core.records import Example
+from specdraft.model.batching import collate
 
 
 @dataclass(frozen=True)
@@ -48,24 +49,6 @@ class LayerDrop:
                                               obj["accepted"]), obj["runner_up"])
 
 
-def _batches(examples: Sequence[Example], batch_size: int, pad_id: int):
-    """(input_ids, attention_mask, labels) with labels = next token at completion positions, -100 elsewhere."""
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start:start + batch_size]
-        width = max(len(e.input_ids) for e in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        labels = torch.full((len(chunk), width), -100, dtype=torch.long)
-        for row, e in enumerate(chunk):
-            n = len(e.input_ids)
-            ids[row, :n] = torch.tensor(e.input_ids)
-            mask[row, :n] = 1
-            targets = e.targets if e.targets is not None else e.completion
-            # logits at position p predict token p + 1: the completion's targets sit one to the left
-            labels[row, e.prompt_len - 1:n - 1] = torch.tensor(targets)
-        yield ids, mask, labels
-
-
 def accepted_runs(matches: list[bool], k: int) -> list[int]:
     """From every position, how many of the next ``k`` positions agree before the first that does not."""
     runs, current = [0] * len(matches), 0
@@ -88,15 +71,17 @@ def score_layers(model, layers: Sequence[int], examples: Sequence[Example], *, k
     device = next(model.parameters()).device
     try:
         ce_sum, tokens, agreeing, runs = 0.0, 0, 0, []
-        for batch in _batches(examples, batch_size, pad_id):
-            ids, mask, labels = (t.to(device) for t in batch)
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()  # [B, T, V]
+        for start in range(0, len(examples), batch_size):
+            batch = collate(examples[start:start + batch_size], pad_id, device)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           use_cache=False).logits[:, :-1].float()  # [B, T-1, V]
+            labels = batch["labels"][:, 1:]  # logits at position p predict the token at p + 1
             scored = labels != -100
             ce_sum += float(F.cross_entropy(logits[scored], labels[scored], reduction="sum"))
             tokens += int(scored.sum())
             match = (logits.argmax(-1) == labels) & scored
             agreeing += int(match.sum())
-            for row in range(ids.shape[0]):
+            for row in range(labels.shape[0]):
                 runs += accepted_runs(match[row][scored[row]].tolist(), k)
     finally:
         model.model.layers = stack
