@@ -69,6 +69,26 @@ def test_an_interrupted_run_continues_from_its_finished_rounds(silenced_target, 
     assert result["dropped"][0] == 2 and len(result["layers"]) == 2 and 0 in result["layers"]
 
 
+def test_a_rerun_with_another_keep_starts_from_the_finished_rounds(silenced_target, tmp_path):
+    """Down to fewer layers it continues after the recorded rounds; up to more it takes their first rounds; on other
+    inputs it starts over. A planted score shows which rounds were taken as recorded."""
+    target, traces = silenced_target
+    out = tmp_path / "layer_choice.json"
+    _run(target, traces, out, 3, "--fixed", "0")
+    recorded = read_json(out)
+    recorded["rounds"][0]["cross_entropy"] = 123.0
+    out.write_text(json.dumps(recorded))
+    assert _run(target, traces, out, 2, "--fixed", "0") == 0
+    fewer = read_json(out)
+    assert [r["cross_entropy"] for r in fewer["rounds"]][0] == 123.0 and len(fewer["rounds"]) == 2
+    assert "continuing after 1 finished rounds" in out.with_suffix(".log").read_text()
+    assert _run(target, traces, out, 3, "--fixed", "0") == 0
+    more = read_json(out)
+    assert len(more["rounds"]) == 1 and more["rounds"][0]["cross_entropy"] == 123.0 and more["layers"] == [0, 1, 3]
+    assert _run(target, traces, out, 3) == 0  # other fixed layers: other inputs, scored afresh
+    assert read_json(out)["rounds"][0]["cross_entropy"] != 123.0
+
+
 def test_rounds_of_a_run_on_other_inputs_are_refused(silenced_target, tmp_path, capsys):
     target, traces = silenced_target
     out = tmp_path / "layer_choice.json"

@@ -11,7 +11,7 @@ train from, with every round's scores:
 Output: the JSON (``init``, ``layers``, ``rounds``, the target and traces it was scored on with their hashes, the
 config), ``layer_choice.log`` and ``layer_choice.png`` (the scores per layers kept) beside it. Each round is
 recorded as it ends, so an interrupted run continues from its last finished round (the rounds of a run on other
-inputs are refused).
+inputs are refused), and a rerun on the same inputs with another ``--keep`` starts from the rounds the JSON holds.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def run_choose_layers(cfg: ChooseLayersConfig) -> dict[str, Any]:
         key = {"target": describe_source(target_spec), "traces_sha256": sha256_file(cfg.traces),
                "examples": [e.id for e in examples], "fixed": cfg.fixed}
         partial = out.with_name(out.stem + ".partial.json")
-        done = _resumable_rounds(partial, key)
+        done = _resumable_rounds(partial, key) or _finished_rounds(out, key, cfg.keep)
         log.info("choose-layers: %s, %d -> %d layers, %d traces (%d completion tokens)%s", target_spec, n_layers,
                  cfg.keep, len(examples), sum(len(e.completion) for e in examples),
                  f", continuing after {len(done)} finished rounds" if done else "")
@@ -113,6 +113,17 @@ def run_choose_layers(cfg: ChooseLayersConfig) -> dict[str, Any]:
         log.info("choose-layers: keep %s (accepted %.2f of 16 teacher-forced, the full stack %.2f): %s",
                  chosen.layers, chosen.accepted, full.accepted, result["init"])
         return result
+
+
+def _finished_rounds(out: Path, key: dict[str, Any], keep: int) -> list[LayerDrop]:
+    """The rounds of a finished run on the same inputs (``out`` itself) down to ``keep`` layers: the elimination is
+    deterministic, so a run to fewer layers continues from them and a run to more takes their first rounds."""
+    if not out.is_file():
+        return []
+    recorded = read_json(out)
+    same = {"target": recorded.get("target"), "traces_sha256": recorded.get("traces", {}).get("sha256"),
+            "examples": recorded.get("examples"), "fixed": recorded.get("config", {}).get("fixed")} == key
+    return [LayerDrop.from_json(r) for r in recorded.get("rounds", []) if len(r["layers"]) >= keep] if same else []
 
 
 def _resumable_rounds(partial: Path, key: dict[str, Any]) -> list[LayerDrop]:
