@@ -179,6 +179,7 @@ def test_the_summary_says_what_the_draft_saw_and_what_its_numbers_mean(tmp_path,
             "plain greedy decoding in each of the 3 passes.") in text
     assert "from 0.57 to 0.71 accepted tokens of 16 (+0.14); prompt lookup accepts 1.10" in text
     assert "is level with prompt lookup (1.08x): their ranges over 3 passes overlap" in text
+    assert "the trained draft behind lookup (1.10x) is level with prompt lookup (1.08x)" in text
     # the trained draft does not pay here, and its draft cost leaves room (k = 2: 3 tokens for 1.5 + 2 x 0.4 steps)
     assert ("it is the trained draft's acceptance that falls short: a drafted token costs it 0.40x a target step, so "
             "with every token accepted it would reach at most 1.30x, and it keeps 1.00 drafted tokens per step") in text
@@ -309,6 +310,15 @@ def test_the_verdict_follows_the_figures():
     noisy = {"draft": (4, 1.05, [0.95, 1.1], 1.0, 1.0, 0.3)}
     lines = demo.verdict(summary(noisy))
     assert any("no drafter beats" in line for line in lines) and not any("llama.cpp" in line for line in lines)
+
+    # behind lookup the trained draft is faster than lookup alone beyond the noise, alone it is slower: both said
+    split = {"draft": (8, 1.09, [1.09, 1.10], 1.16, 1.0, 0.3), "draft+lookup": (8, 1.16, [1.15, 1.17], 1.21, 1.0, 0.3),
+             "lookup": (4, 1.11, [1.11, 1.12], 1.2, 1.0, 0.01)}
+    lines = demo.verdict(summary(split))
+    assert "In specdraft's own engine (torch, float32 target) the trained draft (1.09x) is slower than prompt " \
+           "lookup (1.11x)." in lines
+    assert "In specdraft's own engine (torch, float32 target) the trained draft behind lookup (1.16x) is faster " \
+           "than prompt lookup (1.11x)." in lines
 
 
 def test_a_resumed_demo_says_what_training_took_over_its_sittings_and_which_stages_it_skipped(tmp_path,

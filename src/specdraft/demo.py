@@ -576,20 +576,28 @@ def _speed_findings(spec: dict) -> list[str]:
 
 
 def _trained_against_lookup(spec: dict) -> list[str]:
-    """The trained draft against prompt lookup in speed, and whether the difference is bigger than the spread
-    over passes."""
+    """The trained draft, alone and behind lookup, against prompt lookup in speed, and whether each difference is
+    bigger than the spread over passes."""
     rows = spec["drafters"]
-    if "draft" not in rows or "lookup" not in rows:
+    if "lookup" not in rows:
         return []
-    t, lk = rows["draft"], rows["lookup"]
-    (t_low, t_high), (lk_low, lk_high) = t["speedup_range"] or (None, None), lk["speedup_range"] or (None, None)
-    overlap = t_low is not None and lk_low is not None and t_low <= lk_high and lk_low <= t_high
+    lk = rows["lookup"]
+    lk_low, lk_high = lk["speedup_range"] or (None, None)
     spread = f" over {spec['repeats']} passes" if spec.get("repeats", 1) > 1 else ""
-    compare = ("level with" if overlap else "faster than" if t["speedup_median"] > lk["speedup_median"]
-               else "slower than")
-    return [f"In {_engine_name(spec)} the trained draft ({t['speedup_median']:.2f}x) is {compare} prompt lookup "
-            f"({lk['speedup_median']:.2f}x)" + (f": their ranges{spread} overlap, so the difference is within the "
-                                                f"noise of {spec.get('prompts')} prompts" if overlap else "") + "."]
+    lines = []
+    for name in ("draft", "draft+lookup"):
+        if name not in rows:
+            continue
+        t = rows[name]
+        t_low, t_high = t["speedup_range"] or (None, None)
+        overlap = t_low is not None and lk_low is not None and t_low <= lk_high and lk_low <= t_high
+        compare = ("level with" if overlap else "faster than" if t["speedup_median"] > lk["speedup_median"]
+                   else "slower than")
+        lines.append(f"In {_engine_name(spec)} the {_label(spec, name)} ({t['speedup_median']:.2f}x) is {compare} "
+                     f"prompt lookup ({lk['speedup_median']:.2f}x)"
+                     + (f": their ranges{spread} overlap, so the difference is within the noise of "
+                        f"{spec.get('prompts')} prompts" if overlap else "") + ".")
+    return lines
 
 
 def _llama_cpp_findings(spec: dict) -> list[str]:
