@@ -86,7 +86,8 @@ class Budget:
     llama_full_precision: bool = True
 
 
-# The draft keeps 24 of the target's 30 layers and trains only the last 12 (the first 12 stay frozen). Which 24:
+# The draft keeps 24 of the target's 30 layers; the larger budgets train only the last 12 (the first 12 stay frozen),
+# the small one trains all of them (below). Which 24:
 # greedy elimination on the target's traces (`specdraft choose-layers`) drops 3, 5, 13, 14, 17 and 25; untrained,
 # that cut accepts about four times as much as dropping the block 16-21 (BENCHMARKS.md, "Which layers").
 DRAFT_INIT = "truncate:{target}:" + ",".join(str(i) for i in range(30) if i not in (3, 5, 13, 14, 17, 25))
@@ -101,9 +102,11 @@ BUDGETS: dict[str, Budget] = {
     # held-out acceptance peaks inside the second pass. Speculation: a few prompts, each drafter at k = 16 (the
     # calibrated stop drafts fewer where that pays), two passes so that the summary can tell a difference from
     # the machine's noise, short enough to keep the whole demo within 10 minutes; no predicted speed-ups; in
-    # llama.cpp one middling k and no full-precision table, to keep within its time
+    # llama.cpp one middling k and no full-precision table, to keep within its time. Every layer trains: the layers
+    # next to the ones the cut drops are among the first 12, and at 22 steps training them pays more than the
+    # backward pass through them costs (BENCHMARKS.md, "The small budget's recipe")
     "small": Budget(trace_prompts=102, trace_tokens=64, draft_init=DRAFT_INIT, epochs=1.5, lr=5e-4,
-                    freeze_layers=FROZEN_LAYERS, val_prompts=16, val_tokens=64, spec_prompts=4, spec_tokens=32,
+                    freeze_layers=0, val_prompts=16, val_tokens=64, spec_prompts=4, spec_tokens=32,
                     spec_k=[16], spec_repeats=2, qat=True, compile_drafts=False, predict=False, llama_k=[4],
                     llama_full_precision=False),
     # 960 traces for 1 epoch rather than 480 for 3: more data beat more epochs (BENCHMARKS.md, "More traces, one
