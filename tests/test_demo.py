@@ -162,7 +162,7 @@ def test_the_summary_says_what_the_draft_saw_and_what_its_numbers_mean(tmp_path,
     assert "2210 prompts kept of 457 read from 2 corpora" in text
     assert "dropped: 1 contaminated, 2 near duplicate" in text
     assert "96 of them (5800 tokens); 91 trained on, 5 held out" in text
-    assert "28 steps over 11200 tokens in 2.9 min; the draft starts as 24 of the target's layers, the first 12" in text
+    assert "28 steps over 11200 tokens in 2.9 min; the draft starts as 24 of the target's layers." in text
     assert "52 points" in text and "16 prompts" in text
     # each row's meaning, and the speculation measured over passes, labelled with its engine and baseline
     for name, (label, meaning) in demo.DRAFTERS.items():
@@ -342,8 +342,11 @@ def test_a_resumed_demo_says_what_training_took_over_its_sittings_and_which_stag
 
 def test_the_draft_start_follows_the_target():
     embedded = demo.DemoConfig()
-    assert demo.draft_start(embedded, demo.BUDGETS["small"]) == (demo.DRAFT_INIT.format(target=embedded.target),
-                                                                 demo.FROZEN_LAYERS)
+    init = demo.DRAFT_INIT.format(target=embedded.target)
+    assert demo.draft_start(embedded, demo.BUDGETS["default"]) == (init, demo.FROZEN_LAYERS)
+    assert demo.draft_start(embedded, demo.BUDGETS["small"]) == (init, 0)  # the small budget trains every layer
+    assert demo._describe_init({"draft_init": init, "frozen_layers": 12}) == ("24 of the target's layers, the first 12 "
+                                                                             "of them frozen")
     cut = demo.DemoConfig(target="/models/mine", draft_init="truncate:3", freeze_layers=1)
     assert demo.draft_start(cut, demo.BUDGETS["small"]) == ("truncate:/models/mine:3", 1)
     pretrained = demo.DemoConfig(target="/models/mine", draft_init="/models/small")
