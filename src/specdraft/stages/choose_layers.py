@@ -75,8 +75,7 @@ def run_choose_layers(cfg: ChooseLayersConfig) -> dict[str, Any]:
         if cfg.keep > n_layers:
             raise ValueError(f"--keep {cfg.keep}: the target {target_spec} has {n_layers} layers")
         examples = select_examples(cfg)
-        key = {"target": describe_source(target_spec), "traces_sha256": sha256_file(cfg.traces),
-               "examples": [e.id for e in examples], "fixed": cfg.fixed}
+        key = _inputs_key(describe_source(target_spec), sha256_file(cfg.traces), [e.id for e in examples], cfg.fixed)
         partial = out.with_name(out.stem + ".partial.json")
         done = _resumable_rounds(partial, key) or _finished_rounds(out, key, cfg.keep)
         log.info("choose-layers: %s, %d -> %d layers, %d traces (%d completion tokens)%s", target_spec, n_layers,
@@ -115,14 +114,19 @@ def run_choose_layers(cfg: ChooseLayersConfig) -> dict[str, Any]:
         return result
 
 
+def _inputs_key(target: dict[str, Any], traces_sha256: str, examples: list[str], fixed: list[int] | None) -> dict:
+    """What a search's rounds depend on: another run continues from them only where this is the same."""
+    return {"target": target, "traces_sha256": traces_sha256, "examples": examples, "fixed": fixed}
+
+
 def _finished_rounds(out: Path, key: dict[str, Any], keep: int) -> list[LayerDrop]:
     """The rounds of a finished run on the same inputs (``out`` itself) down to ``keep`` layers: the elimination is
     deterministic, so a run to fewer layers continues from them and a run to more takes their first rounds."""
     if not out.is_file():
         return []
     recorded = read_json(out)
-    same = {"target": recorded.get("target"), "traces_sha256": recorded.get("traces", {}).get("sha256"),
-            "examples": recorded.get("examples"), "fixed": recorded.get("config", {}).get("fixed")} == key
+    same = _inputs_key(recorded.get("target"), recorded.get("traces", {}).get("sha256"), recorded.get("examples"),
+                       recorded.get("config", {}).get("fixed")) == key
     return [LayerDrop.from_json(r) for r in recorded.get("rounds", []) if len(r["layers"]) >= keep] if same else []
 
 
