@@ -344,7 +344,8 @@ def test_the_draft_start_follows_the_target():
     embedded = demo.DemoConfig()
     init = demo.DRAFT_INIT.format(target=embedded.target)
     assert demo.draft_start(embedded, demo.BUDGETS["default"]) == (init, demo.FROZEN_LAYERS)
-    assert demo.draft_start(embedded, demo.BUDGETS["small"]) == (init, 0)  # the small budget trains every layer
+    assert demo.draft_start(embedded, demo.BUDGETS["small"]) == (init, 0)  # small and full train every layer
+    assert demo.draft_start(embedded, demo.BUDGETS["full"]) == (init, 0)
     assert demo._describe_init({"draft_init": init, "frozen_layers": 12}) == ("24 of the target's layers, the first 12 "
                                                                              "of them frozen")
     cut = demo.DemoConfig(target="/models/mine", draft_init="truncate:3", freeze_layers=1)

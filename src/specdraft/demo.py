@@ -86,8 +86,8 @@ class Budget:
     llama_full_precision: bool = True
 
 
-# The draft keeps 24 of the target's 30 layers; the larger budgets train only the last 12 (the first 12 stay frozen),
-# the small one trains all of them (below). Which 24:
+# The draft keeps 24 of the target's 30 layers; the default budget trains only the last 12 (the first 12 stay
+# frozen), the small and full ones train all of them (below). Which 24:
 # greedy elimination on the target's traces (`specdraft choose-layers`) drops 3, 5, 13, 14, 17 and 25; untrained,
 # that cut accepts about four times as much as dropping the block 16-21 (BENCHMARKS.md, "Which layers").
 DRAFT_INIT = "truncate:{target}:" + ",".join(str(i) for i in range(30) if i not in (3, 5, 13, 14, 17, 25))
@@ -110,14 +110,17 @@ BUDGETS: dict[str, Budget] = {
                     spec_k=[16], spec_repeats=2, qat=True, compile_drafts=False, predict=False, llama_k=[4],
                     llama_full_precision=False),
     # 960 traces for 1 epoch rather than 480 for 3: more data beat more epochs (BENCHMARKS.md, "More traces, one
-    # epoch"); scored every 100 steps rather than 25 so that the extra traces fit the budget's earlier wall time
+    # epoch"); scored every 100 steps rather than 25 so that the extra traces fit the budget's earlier wall time;
+    # the first 12 layers frozen: training them too accepts a little more for as much more wall time
     "default": Budget(trace_prompts=960, trace_tokens=128, draft_init=DRAFT_INIT, epochs=1, lr=5e-4,
                       freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=128, spec_prompts=8, spec_tokens=96,
                       spec_repeats=2, gptq=True, eval_every=100),
     # 2 epochs, scored every 100 steps: at 3 epochs scored every 25 (about 45% of the training time) the budget
-    # took 4.8 h, over the 4 h it is meant for
+    # took 4.8 h, over the 4 h it is meant for. Every layer trains: on the default budget's traces that accepts
+    # more than 12 frozen for about a third more training time, which the full budget's hours leave room for
+    # and the default's wall time does not repay (BENCHMARKS.md, "Which layers train")
     "full": Budget(trace_prompts=2000, trace_tokens=128, draft_init=DRAFT_INIT, epochs=2, lr=5e-4,
-                   freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=192, spec_prompts=16, spec_tokens=128,
+                   freeze_layers=0, val_prompts=80, val_tokens=192, spec_prompts=16, spec_tokens=128,
                    spec_repeats=2, gptq=True, eval_every=100),
 }
 
