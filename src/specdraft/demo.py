@@ -111,7 +111,8 @@ BUDGETS: dict[str, Budget] = {
                     llama_full_precision=False),
     # 960 traces for 1 epoch rather than 480 for 3: more data beat more epochs (BENCHMARKS.md, "More traces, one
     # epoch"); scored every 100 steps rather than 25 so that the extra traces fit the budget's earlier wall time;
-    # the first 12 layers frozen: training them too accepts a little more for as much more wall time
+    # the first 12 layers frozen: training them too accepts a little more, but by a smaller share than it adds to
+    # the wall time (BENCHMARKS.md, "Which layers train")
     "default": Budget(trace_prompts=960, trace_tokens=128, draft_init=DRAFT_INIT, epochs=1, lr=5e-4,
                       freeze_layers=FROZEN_LAYERS, val_prompts=80, val_tokens=128, spec_prompts=8, spec_tokens=96,
                       spec_repeats=2, gptq=True, eval_every=100),
