@@ -57,6 +57,7 @@ def recipe_overrides(pairs: list[str]) -> dict[str, Any]:
 def run_variant(name: str, args, work: Path) -> dict[str, Any]:
     top_k, kd, on_policy = variant_settings(name)
     budget = BUDGETS[args.budget]
+    trace_prompts = args.trace_prompts or budget.trace_prompts
     init, frozen = draft_start(DemoConfig(), budget)
     out: dict[str, Any] = {"variant": name, "top_logprobs": top_k, "kd_stored": kd, "kd_weight": args.kd_weight,
                            "on_policy": on_policy}
@@ -67,9 +68,10 @@ def run_variant(name: str, args, work: Path) -> dict[str, Any]:
     if written_k < top_k:
         raise ValueError(f"variant {name}: needs traces with top-{top_k}, --traces-top is {written_k}")
     traces = work / f"traces_top{written_k}" / "traces.jsonl"
-    if not traces.is_file():
+    # resumed up to the prompts asked for: a larger --trace-prompts decodes only the prompts not traced yet
+    if not traces.is_file() or sum(1 for _ in traces.open()) < trace_prompts:
         run_traces(TracesConfig(prompts=args.run_dir / "prompts" / "prompts.jsonl", out=traces,
-                                max_new_tokens=budget.trace_tokens, limit=budget.trace_prompts, top_logprobs=written_k))
+                                max_new_tokens=budget.trace_tokens, limit=trace_prompts, top_logprobs=written_k))
     summary = read_json(traces.with_name("traces.summary.json"))
     out["traces"] = {"seconds": summary["this_run"].get("wall_s"), "bytes": traces.stat().st_size,
                      "completion_tokens": summary["completion_tokens"],
@@ -80,7 +82,7 @@ def run_variant(name: str, args, work: Path) -> dict[str, Any]:
         if not labels.is_file():
             run_label(LabelConfig(prompts=str(args.run_dir / "prompts" / "prompts.jsonl"), out=str(labels),
                                   answers_from=str(args.run_dir / "init"), max_new_tokens=budget.trace_tokens,
-                                  limit=budget.trace_prompts, min_answer_tokens=1, threads=args.threads))
+                                  limit=trace_prompts, min_answer_tokens=1, threads=args.threads))
         out["labels"] = {"seconds": read_json(labels.with_name("labels.summary.json"))["wall_s"],
                          "bytes": labels.stat().st_size}
     pack_cfg = PackConfig(checkpoint=str(work / run_name / "draft"), out=str(work / run_name / "model"),
@@ -115,6 +117,8 @@ def main() -> None:
     ap.add_argument("--kd-weight", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epochs", type=float, default=None, help="override the budget's epochs")
+    ap.add_argument("--trace-prompts", type=int, default=None,
+                    help="override the budget's traced prompts (an existing traces file is resumed up to it)")
     ap.add_argument("--traces-top", type=int, default=None, help="one traces file with this top-K for every variant")
     ap.add_argument("--tag", default="", help="suffix of the variants' dirs (the traces are shared per K)")
     ap.add_argument("--threads", type=int, default=None)
