@@ -68,11 +68,13 @@ def run_variant(name: str, args, work: Path) -> dict[str, Any]:
     if written_k < top_k:
         raise ValueError(f"variant {name}: needs traces with top-{top_k}, --traces-top is {written_k}")
     traces = work / f"traces_top{written_k}" / "traces.jsonl"
-    # resumed up to the prompts asked for: a larger --trace-prompts decodes only the prompts not traced yet
-    if not traces.is_file() or sum(1 for _ in traces.open()) < trace_prompts:
+    summary_path = traces.with_name("traces.summary.json")
+    # resumed up to the prompts asked for (the summary records its rows): a larger --trace-prompts decodes only the
+    # prompts not traced yet
+    if not summary_path.is_file() or read_json(summary_path)["rows"] < trace_prompts:
         run_traces(TracesConfig(prompts=args.run_dir / "prompts" / "prompts.jsonl", out=traces,
                                 max_new_tokens=budget.trace_tokens, limit=trace_prompts, top_logprobs=written_k))
-    summary = read_json(traces.with_name("traces.summary.json"))
+    summary = read_json(summary_path)
     out["traces"] = {"seconds": summary["this_run"].get("wall_s"), "bytes": traces.stat().st_size,
                      "completion_tokens": summary["completion_tokens"],
                      "tokens_per_s": summary["this_run"].get("completion_tokens_per_s")}
