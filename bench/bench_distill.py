@@ -73,7 +73,8 @@ def run_variant(name: str, args, work: Path) -> dict[str, Any]:
     # prompts not traced yet
     if not summary_path.is_file() or read_json(summary_path)["rows"] < trace_prompts:
         run_traces(TracesConfig(prompts=args.run_dir / "prompts" / "prompts.jsonl", out=traces,
-                                max_new_tokens=budget.trace_tokens, limit=trace_prompts, top_logprobs=written_k))
+                                max_new_tokens=args.trace_tokens or budget.trace_tokens, limit=trace_prompts,
+                                top_logprobs=written_k))
     summary = read_json(summary_path)
     out["traces"] = {"seconds": summary["this_run"].get("wall_s"), "bytes": traces.stat().st_size,
                      "completion_tokens": summary["completion_tokens"],
@@ -83,7 +84,8 @@ def run_variant(name: str, args, work: Path) -> dict[str, Any]:
         t = time.time()
         if not labels.is_file():
             run_label(LabelConfig(prompts=str(args.run_dir / "prompts" / "prompts.jsonl"), out=str(labels),
-                                  answers_from=str(args.run_dir / "init"), max_new_tokens=budget.trace_tokens,
+                                  answers_from=str(args.run_dir / "init"),
+                                  max_new_tokens=args.trace_tokens or budget.trace_tokens,
                                   limit=trace_prompts, min_answer_tokens=1, threads=args.threads))
         out["labels"] = {"seconds": read_json(labels.with_name("labels.summary.json"))["wall_s"],
                          "bytes": labels.stat().st_size}
@@ -121,6 +123,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=float, default=None, help="override the budget's epochs")
     ap.add_argument("--trace-prompts", type=int, default=None,
                     help="override the budget's traced prompts (an existing traces file is resumed up to it)")
+    ap.add_argument("--trace-tokens", type=int, default=None,
+                    help="override the budget's tokens per trace (a work dir holds one traces length)")
     ap.add_argument("--traces-top", type=int, default=None, help="one traces file with this top-K for every variant")
     ap.add_argument("--tag", default="", help="suffix of the variants' dirs (the traces are shared per K)")
     ap.add_argument("--threads", type=int, default=None)
