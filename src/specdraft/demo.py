@@ -55,7 +55,7 @@ BENCHMARKS = REPO_ROOT / "BENCHMARKS.md"
 
 @dataclass(frozen=True)
 class Budget:
-    """How much of the pipeline to run; `small` fits in 10 minutes on 2 CPU cores (BENCHMARKS.md has each budget's
+    """How much of the pipeline to run; `small` takes about 10 minutes on 2 CPU cores (BENCHMARKS.md has each budget's
     time and figures)."""
 
     trace_prompts: int
@@ -131,7 +131,7 @@ BUDGETS: dict[str, Budget] = {
 class DemoConfig(StageConfig):
     out: str = Field("runs/demo", description="run directory (resumable: a rerun skips finished stages)")
     budget: Literal["small", "default", "full"] = Field(
-        "small", description="how much to run (small: under 10 minutes on 2 cores; BENCHMARKS.md has each "
+        "small", description="how much to run (small: about 10 minutes on 2 cores; BENCHMARKS.md has each "
                              "budget's time)")
     target: str = Field(DEFAULT_TARGET, description="target model: the embedded default, or a local causal-LM dir "
                                                     "with a chat template (or a pinned hub:ORG/NAME@REV)")
