@@ -58,6 +58,7 @@ def run_variant(name: str, args, work: Path) -> dict[str, Any]:
     top_k, kd, on_policy = variant_settings(name)
     budget = BUDGETS[args.budget]
     trace_prompts = args.trace_prompts or budget.trace_prompts
+    trace_tokens = args.trace_tokens or budget.trace_tokens
     init, frozen = draft_start(DemoConfig(), budget)
     out: dict[str, Any] = {"variant": name, "top_logprobs": top_k, "kd_stored": kd, "kd_weight": args.kd_weight,
                            "on_policy": on_policy}
@@ -73,8 +74,7 @@ def run_variant(name: str, args, work: Path) -> dict[str, Any]:
     # prompts not traced yet
     if not summary_path.is_file() or read_json(summary_path)["rows"] < trace_prompts:
         run_traces(TracesConfig(prompts=args.run_dir / "prompts" / "prompts.jsonl", out=traces,
-                                max_new_tokens=args.trace_tokens or budget.trace_tokens, limit=trace_prompts,
-                                top_logprobs=written_k))
+                                max_new_tokens=trace_tokens, limit=trace_prompts, top_logprobs=written_k))
     summary = read_json(summary_path)
     out["traces"] = {"seconds": summary["this_run"].get("wall_s"), "bytes": traces.stat().st_size,
                      "completion_tokens": summary["completion_tokens"],
@@ -84,8 +84,7 @@ def run_variant(name: str, args, work: Path) -> dict[str, Any]:
         t = time.time()
         if not labels.is_file():
             run_label(LabelConfig(prompts=str(args.run_dir / "prompts" / "prompts.jsonl"), out=str(labels),
-                                  answers_from=str(args.run_dir / "init"),
-                                  max_new_tokens=args.trace_tokens or budget.trace_tokens,
+                                  answers_from=str(args.run_dir / "init"), max_new_tokens=trace_tokens,
                                   limit=trace_prompts, min_answer_tokens=1, threads=args.threads))
         out["labels"] = {"seconds": read_json(labels.with_name("labels.summary.json"))["wall_s"],
                          "bytes": labels.stat().st_size}
