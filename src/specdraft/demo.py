@@ -99,8 +99,8 @@ SELF_DRAFT_EMBEDDING = "f16"
 
 BUDGETS: dict[str, Budget] = {
     # 200 prompts traced 32 tokens deep, one pass: the same tokens and training steps as 102 prompts of 64 tokens
-    # for 1.5 passes, spread over twice the prompts, accept more for a few seconds more tracing (BENCHMARKS.md,
-    # "The small budget's recipe": more prompts cost a minute at 64 tokens each).
+    # for 1.5 passes, spread over twice the prompts, accept more for a little more tracing (BENCHMARKS.md, "The
+    # small budget's recipe", "Shorter traces over more prompts").
     # Speculation: a few prompts, each drafter at k = 16 (the calibrated stop drafts fewer where that pays), two
     # passes so that the summary can tell a difference from the machine's noise, short enough to keep the whole
     # demo within 10 minutes; no predicted speed-ups; in llama.cpp one middling k and no full-precision table, to
