@@ -15,6 +15,7 @@ from specdraft.core.config import add_config_arguments, config_from_args
 from specdraft.core.io import sha256_file
 from specdraft.core.records import Example, read_traces
 from specdraft.drafting.metrics import accepted_length
+from specdraft.model.batching import collate, scored_positions
 from specdraft.model.decode import greedy_decode
 from specdraft.model.loader import load_packed_model
 from specdraft.model.tiny import build_tiny_model
@@ -120,6 +121,59 @@ def test_simulated_acceptance_equals_real_greedy_drafts(tiny_target):
             real.append(accepted_length(d, ex.completion[off:off + 8]))
     assert stats.points == len(real)
     assert stats.accepted_total == sum(real)
+
+
+def _mixed_batch(rng: random.Random) -> list[Example]:
+    """Rows of different prompt and completion lengths: right padding leaves each its own scored positions."""
+    return [Example(f"m{i}", [rng.randrange(3, 300) for _ in range(p + c)], p)
+            for i, (p, c) in enumerate([(3, 9), (11, 4), (7, 7), (1, 12)])]
+
+
+def test_the_head_at_the_scored_positions_alone_trains_as_the_full_head(tiny_target):
+    """The training loss and its gradients, with the vocabulary head run at the labelled positions only, equal
+    the naive ones: the head at every position, then the labelled ones picked out (QAT on, as the demo trains)."""
+    model = truncate_layers(AutoModelForCausalLM.from_pretrained(tiny_target), 2)
+    enable_qat(model, 32)
+    batch = collate(_mixed_batch(random.Random(2)), 0, "cpu")
+    teacher = torch.randn(4, batch["input_ids"].shape[1], model.config.vocab_size)  # [B, T, V]
+
+    def loss_and_grads(kept_head: bool):
+        model.zero_grad()
+        labels = batch["labels"]
+        if kept_head:
+            scored = scored_positions(labels)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           logits_to_keep=scored).logits
+            loss, _ = train_stage.distill_loss(logits, labels, teacher[scored], 0.5, 2.0)
+        else:  # the naive reference
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+            keep = labels[:, 1:] != -100
+            student, target = logits[keep], teacher[:, :-1][keep]
+            kl = torch.nn.functional.kl_div(torch.log_softmax(student / 2, -1), torch.log_softmax(target / 2, -1),
+                                            log_target=True, reduction="batchmean") * 4
+            loss = 0.5 * torch.nn.functional.cross_entropy(student, labels[:, 1:][keep]) + 0.5 * kl
+        loss.backward()
+        return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    kept_loss, kept_grads = loss_and_grads(True)
+    full_loss, full_grads = loss_and_grads(False)
+    assert kept_loss == pytest.approx(full_loss, rel=1e-5)
+    assert kept_grads.keys() == full_grads.keys() and len(kept_grads) > 10
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(kept_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_heldout_loss_is_the_mean_cross_entropy_of_each_example_alone(tiny_target):
+    model = truncate_layers(AutoModelForCausalLM.from_pretrained(tiny_target), 2).eval()
+    examples = _mixed_batch(random.Random(3))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ex in examples:
+            logits = model(input_ids=torch.tensor([ex.input_ids])).logits[0]  # [T, V]
+            total += float(torch.nn.functional.cross_entropy(
+                logits[ex.prompt_len - 1:-1], torch.tensor(ex.completion), reduction="sum"))
+            count += len(ex.completion)
+    assert heldout_loss(model, examples, pad_id=0) == pytest.approx(total / count, rel=1e-5)
 
 
 def test_training_improves_and_writes_artifacts(tiny_traces, tiny_target, tmp_path):
@@ -331,9 +385,10 @@ def test_stored_kd_over_the_whole_vocabulary_is_the_full_kl():
     torch.manual_seed(0)
     student, teacher = torch.randn(2, 5, 7), torch.randn(2, 5, 7)
     labels = torch.tensor([[-100, -100, 3, 1, 4], [-100, 2, 2, 5, 0]])
+    scored = scored_positions(labels)
     for t in (1.0, 2.0):
-        full, parts_full = train_stage.distill_loss(student, labels, teacher, 0.5, t)
-        stored, parts = train_stage.stored_kd_loss(student, _stored_batch(teacher, 7, labels), 0.5, t)
+        full, parts_full = train_stage.distill_loss(student[scored], labels, teacher[scored], 0.5, t)
+        stored, parts = train_stage.stored_kd_loss(student[scored], _stored_batch(teacher, 7, labels), 0.5, t)
         assert float(stored) == pytest.approx(float(full), rel=1e-5)
         assert parts["kl"] == pytest.approx(parts_full["kl"], rel=1e-5)
 
@@ -344,7 +399,7 @@ def test_stored_kd_with_top_k_renormalises_the_teachers_k_and_reads_the_draft_th
     labels = torch.tensor([[-100, 4, 6]])
     batch = _stored_batch(teacher, 3, labels)
     batch["top_mask"][0, 2] = False  # the last position has no stored distribution: CE only
-    _, parts = train_stage.stored_kd_loss(student, batch, 1.0, 1.0)
+    _, parts = train_stage.stored_kd_loss(student[scored_positions(labels)], batch, 1.0, 1.0)
     # by hand: position 0 predicts token 1, the only one with a stored distribution (the teacher's at 0)
     p = torch.softmax(batch["top_logprobs"][0, 1], -1)
     q = torch.log_softmax(student[0, 0], -1)[batch["top_ids"][0, 1]]

@@ -36,3 +36,19 @@ def collate(examples: Sequence[Example], pad_id: int, device, top_logprobs: bool
     if k:
         batch.update(top_ids=top_ids.to(device), top_logprobs=top_lps.to(device), top_mask=top_mask.to(device))
     return batch
+
+
+def scored_positions(labels: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: the positions whose logits predict a labelled token (the next one). Only these carry a loss or
+    a score, and in short traces most positions are prompt: passed as ``logits_to_keep``, the model runs its
+    vocabulary head and the loss's softmax (a large share of a small draft's training step) at these positions
+    alone, and returns their logits row by row, [N, V]."""
+    scored = torch.zeros_like(labels, dtype=torch.bool)
+    scored[:, :-1] = labels[:, 1:] != -100
+    return scored
+
+
+def next_tokens(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``values`` ([B, T, ...], laid out like the labels: the entry at t belongs to the token at t) for the tokens
+    the logits at ``scored_positions(labels)`` predict, in the same order: [N, ...]."""
+    return values[:, 1:][labels[:, 1:] != -100]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.core.records import Example
-from specdraft.model.batching import collate
+from specdraft.model.batching import collate, next_tokens, scored_positions
 
 
 @dataclass(frozen=True)
@@ -73,16 +73,16 @@ def score_layers(model, layers: Sequence[int], examples: Sequence[Example], *, k
         ce_sum, tokens, agreeing, runs = 0.0, 0, 0, []
         for start in range(0, len(examples), batch_size):
             batch = collate(examples[start:start + batch_size], pad_id, device)
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           use_cache=False).logits[:, :-1].float()  # [B, T-1, V]
-            labels = batch["labels"][:, 1:]  # logits at position p predict the token at p + 1
-            scored = labels != -100
-            ce_sum += float(F.cross_entropy(logits[scored], labels[scored], reduction="sum"))
-            tokens += int(scored.sum())
-            match = (logits.argmax(-1) == labels) & scored
+            scored = scored_positions(batch["labels"])  # [B, T]
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                           logits_to_keep=scored).logits.float()  # [N, V]
+            labels = next_tokens(batch["labels"], batch["labels"])  # [N]
+            ce_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
+            tokens += len(labels)
+            match = logits.argmax(-1) == labels
             agreeing += int(match.sum())
-            for row in range(labels.shape[0]):
-                runs += accepted_runs(match[row][scored[row]].tolist(), k)
+            for row_match in match.split(scored.sum(-1).tolist()):
+                runs += accepted_runs(row_match.tolist(), k)
     finally:
         model.model.layers = stack
         model.config.num_hidden_layers = n_config

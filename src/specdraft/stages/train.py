@@ -55,7 +55,7 @@ from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.core.records import Example, read_traces
 from specdraft.core.stage import recorded_target, summary_path
 from specdraft.drafting.metrics import AcceptanceStats
-from specdraft.model.batching import collate
+from specdraft.model.batching import collate, next_tokens, scored_positions
 from specdraft.model.specs import (
     DEFAULT_TARGET,
     describe_source,
@@ -320,18 +320,14 @@ def micro_batches(train: list[Example], cfg: TrainConfig, world: int, rank: int)
 
 def distill_loss(logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor | None,
                  kd_weight: float, temperature: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """CE on the target's next tokens; optionally mixed with KL(teacher || student) at a temperature."""
-    shift_logits = logits[:, :-1, :]  # [B, T-1, V]
-    shift_labels = labels[:, 1:]  # [B, T-1]
-    keep = shift_labels != -100
-    student = shift_logits[keep]  # [N, V]
-    ce = F.cross_entropy(student.float(), shift_labels[keep])
+    """CE on the target's next tokens; optionally mixed with KL(teacher || student) at a temperature. ``logits``
+    and ``teacher_logits`` ([N, V]) are the models' at the batch's ``scored_positions``, ``labels`` the batch's."""
+    ce = F.cross_entropy(logits.float(), next_tokens(labels, labels))
     parts = {"ce": float(ce.detach())}
     if teacher_logits is None:
         return ce, parts
-    teacher = teacher_logits[:, :-1, :][keep].float()  # [N, V]
     t = temperature
-    kl = F.kl_div(F.log_softmax(student.float() / t, -1), F.log_softmax(teacher / t, -1),
+    kl = F.kl_div(F.log_softmax(logits.float() / t, -1), F.log_softmax(teacher_logits.float() / t, -1),
                   log_target=True, reduction="batchmean") * (t * t)
     parts["kl"] = float(kl.detach())
     return (1 - kd_weight) * ce + kd_weight * kl, parts
@@ -342,18 +338,17 @@ def stored_kd_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], kd_weig
     """CE on the target's next tokens mixed with KL(p || q) to the target's stored top-K distribution: p is the
     stored log-probabilities at the temperature, renormalised over the K ids; q is the draft's full softmax at the
     same temperature, read at those ids (so mass the draft puts elsewhere is penalised too). Positions without a
-    stored distribution count in the CE only."""
-    shift_logits, shift_labels = logits[:, :-1, :], batch["labels"][:, 1:]  # [B, T-1, V], [B, T-1]
-    keep = shift_labels != -100
-    ce = F.cross_entropy(shift_logits[keep].float(), shift_labels[keep])
+    stored distribution count in the CE only. ``logits`` ([N, V]) are the draft's at the ``scored_positions``."""
+    labels = batch["labels"]
+    ce = F.cross_entropy(logits.float(), next_tokens(labels, labels))
     parts = {"ce": float(ce.detach())}
-    stored = keep & batch["top_mask"][:, 1:]  # [B, T-1]
+    stored = next_tokens(batch["top_mask"], labels)  # [N]
     if not bool(stored.any()):
         return ce, parts
     t = temperature
-    student = F.log_softmax(shift_logits[stored].float() / t, dim=-1)  # [N, V]
-    teacher = F.log_softmax(batch["top_logprobs"][:, 1:][stored] / t, dim=-1)  # [N, K], -inf where a row has < K
-    drafted = student.gather(-1, batch["top_ids"][:, 1:][stored])  # [N, K]
+    student = F.log_softmax(logits[stored].float() / t, dim=-1)  # [M, V]
+    teacher = F.log_softmax(next_tokens(batch["top_logprobs"], labels)[stored] / t, dim=-1)  # [M, K], -inf: < K
+    drafted = student.gather(-1, next_tokens(batch["top_ids"], labels)[stored])  # [M, K]
     p = teacher.exp()
     kl = (p * (teacher - drafted)).nan_to_num(0.0).sum(-1).mean() * (t * t)  # 0 * (-inf) terms dropped
     parts["kl"] = float(kl.detach())
@@ -373,13 +368,15 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], step: int) -> float:
     """Forward and backward one micro-batch; on the last micro-batch of optimizer step ``step``, clip, set the
     step's learning rate and update. The micro-batch's loss."""
     cfg, accelerator = run.cfg, run.accelerator
+    scored = scored_positions(batch["labels"])
     with accelerator.accumulate(run.model):
-        logits = run.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
+        logits = run.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           logits_to_keep=scored).logits  # [N, V]
         teacher_logits = None
         if run.teacher is not None:
             with torch.no_grad():
-                teacher_logits = run.teacher(input_ids=batch["input_ids"],
-                                             attention_mask=batch["attention_mask"]).logits  # [B, T, V]
+                teacher_logits = run.teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                             logits_to_keep=scored).logits  # [N, V]
         if cfg.kd_stored:
             loss, _ = stored_kd_loss(logits, batch, cfg.kd_weight, cfg.kd_temperature)
         else:
@@ -408,11 +405,13 @@ def simulated_acceptance(model, examples: Sequence[Example], k: int = 16, pad_id
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
         batch = collate(chunk, pad_id, device)
-        preds = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)  # [B, T]
-        for row, ex in enumerate(chunk):
-            completion = ex.completion
-            # prediction for completion[j] comes from position prompt_len + j - 1
-            row_preds = preds[row, ex.prompt_len - 1: len(ex.input_ids) - 1].tolist()
+        scored = scored_positions(batch["labels"])  # [B, T]
+        preds = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                      logits_to_keep=scored).logits.argmax(-1)  # [N]
+        for ex, row_preds in zip(chunk, preds.split(scored.sum(-1).tolist())):
+            # the predictions of the completion's tokens (all of them, unless the prompt is empty), in order
+            completion = ex.completion[len(ex.completion) - len(row_preds):]
+            row_preds = row_preds.tolist()
             for offset in range(0, len(completion) - k + 1, k):
                 stats.add(row_preds[offset:offset + k], completion[offset:offset + k], prompt_id=ex.id)
     model.train(model_was_training)
@@ -428,11 +427,11 @@ def heldout_loss(model, examples: Sequence[Example], pad_id: int, batch_size: in
     model.eval()
     for start in range(0, len(examples), batch_size):
         batch = collate(examples[start:start + batch_size], pad_id, device)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
-        labels = batch["labels"][:, 1:]  # [B, T-1]
-        keep = labels != -100
-        total += float(F.cross_entropy(logits[:, :-1][keep].float(), labels[keep], reduction="sum"))
-        count += int(keep.sum())
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       logits_to_keep=scored_positions(batch["labels"])).logits  # [N, V]
+        labels = next_tokens(batch["labels"], batch["labels"])  # [N]
+        total += float(F.cross_entropy(logits.float(), labels, reduction="sum"))
+        count += len(labels)
     model.train(was_training)
     return total / max(1, count)
 
