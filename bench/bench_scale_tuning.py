@@ -32,7 +32,7 @@ from torch import nn
 from specdraft.core.io import atomic_write_json, sha256_file
 from specdraft.core.provenance import run_metadata
 from specdraft.core.records import read_traces
-from specdraft.model.batching import collate
+from specdraft.model.batching import collate, next_tokens, scored_positions
 from specdraft.model.loader import load_packed_model
 from specdraft.quant import q4g, qd4
 from specdraft.stages.train import make_batches, simulated_acceptance
@@ -198,15 +198,16 @@ def main(argv: list[str] | None = None) -> int:
         for group in opt.param_groups:
             group["lr"] = lr
         batch = collate([examples[i] for i in batches[step - 1]], 0, "cpu")
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        labels = batch["labels"][:, 1:]
-        keep = labels != -100
+        scored = scored_positions(batch["labels"])  # the head runs at the completion positions alone
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       logits_to_keep=scored).logits  # [N, V]
         if teacher is None:
-            loss = F.cross_entropy(logits[:, :-1][keep].float(), labels[keep])
+            loss = F.cross_entropy(logits.float(), next_tokens(batch["labels"], batch["labels"]))
         else:  # KL(float draft || packed draft) on the completion positions
             with torch.no_grad():
-                target = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss = F.kl_div(logits[:, :-1][keep].float().log_softmax(-1), target[:, :-1][keep].float().log_softmax(-1),
+                target = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 logits_to_keep=scored).logits  # [N, V]
+            loss = F.kl_div(logits.float().log_softmax(-1), target.float().log_softmax(-1),
                             log_target=True, reduction="batchmean")
         opt.zero_grad(set_to_none=True)
         loss.backward()
