@@ -74,6 +74,7 @@ from specdraft.core.provenance import run_metadata
 from specdraft.core.records import ValidationPoint, load_validation
 from specdraft.drafting.acceptance import percentile
 from specdraft.drafting.metrics import accepted_length
+from specdraft.drafting.remote import retry_after_seconds
 from specdraft.server.process import ServerProcess
 
 log = logging.getLogger("specdraft.bench.peers")
@@ -251,19 +252,21 @@ async def closed_loop(peer, bodies: list[bytes], order: list[int], clients: int,
                 index = order[n % len(order)]
                 t0 = time.perf_counter()
                 answer = Answer(index, 0.0, 0.0)
+                wait = 1.0
                 try:
                     r = await http.post(peer.route, content=bodies[index], headers=JSON_HEADERS)
                     if r.status_code == 200:
                         answer.tokens = peer.tokens(r.json())
                     else:
                         answer.error = f"{r.status_code}: {r.text[:160]}"
+                        wait = retry_after_seconds(r)  # a refusal says when to come back (503 + Retry-After)
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                     answer.error = f"{type(e).__name__}: {e}"
                 answer.done = time.perf_counter()
                 answer.seconds = answer.done - t0
                 answers.append(answer)
                 if answer.error is not None:
-                    await asyncio.sleep(1.0)
+                    await asyncio.sleep(wait)
 
         await asyncio.gather(*(client() for _ in range(clients)))
         return answers, start, stop_at, time.perf_counter()

@@ -2,7 +2,7 @@
 
   .venv/bin/python bench/bench_soak.py --model-dir runs/demo/model --duration 300 --out soak.json
 
-Mixes (clients of each class, closed loop; a client waits 1 s after a 503 unless it misbehaves):
+Mixes (clients of each class, closed loop; a client waits the Retry-After of a 503 unless it misbehaves):
 
   short       24 clients, contexts of 16-300 tokens
   mixed       the 24 short + 4 long clients, contexts of 2,000-4,000 tokens
@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 
 from specdraft.core.provenance import run_metadata
+from specdraft.drafting.remote import retry_after_seconds
 from specdraft.model.specs import load_config
 from specdraft.server.process import ServerProcess
 
@@ -116,9 +117,9 @@ async def client(url: str, kind: str, vocab: int, seed: int, stop: asyncio.Event
             except httpx.HTTPError as e:
                 status = type(e).__name__
             record.append((kind, status, time.perf_counter() - started, time.monotonic()))
-            if status == 503 and kind in (*SHORT_KINDS, "long"):
+            if status == 503 and kind in (*SHORT_KINDS, "long"):  # a well-behaved client waits as told
                 try:
-                    await asyncio.wait_for(stop.wait(), 1.0)
+                    await asyncio.wait_for(stop.wait(), retry_after_seconds(r))
                 except asyncio.TimeoutError:
                     pass
 

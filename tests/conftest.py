@@ -26,6 +26,16 @@ def tiny_llama_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
 
 
+@pytest.fixture(scope="session")
+def packed_dir(tiny_qwen3_dir, tmp_path_factory):
+    """The tiny Qwen3 packed by `specdraft pack` (QD04, default group size)."""
+    from specdraft.stages.pack import PackConfig, run_pack
+
+    out = tmp_path_factory.mktemp("packed") / "tiny-qwen3-packed"
+    run_pack(PackConfig(checkpoint=str(tiny_qwen3_dir), out=str(out)))
+    return out
+
+
 @pytest.fixture(params=["qwen3", "llama"])
 def tiny_model_dir(request, tiny_qwen3_dir, tiny_llama_dir):
     return {"qwen3": tiny_qwen3_dir, "llama": tiny_llama_dir}[request.param]

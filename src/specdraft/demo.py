@@ -36,7 +36,7 @@ from specdraft.model.llamacpp import llama_cpp_available, llama_cpp_version
 from specdraft.model.specs import DEFAULT_TARGET, model_summary
 from specdraft.model.truncate import save_init
 from specdraft.server.process import ServerProcess
-from specdraft.stages.evaluate import EvalConfig, run_eval
+from specdraft.stages.evaluate import EvalConfig, compute_choice_of, run_eval
 from specdraft.stages.export import ExportConfig, run_export
 from specdraft.stages.pack import PackConfig, run_pack
 from specdraft.stages.prompts import PromptsConfig, build_prompts
@@ -294,7 +294,7 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path, init_spec: str, fr
     reports: dict[str, dict] = {}
     # Acceptance at temperature for every drafter of the summary's table (the target loaded by each eval)
     for name, kwargs in (("init", {"model_dir": run_dir / "init"}), ("lookup", {"lookup": True}),
-                         ("self", {"model_dir": run_dir / "model_self", "compute": "int4", "threads": cfg.threads})):
+                         ("self", {"model_dir": run_dir / "model_self", "threads": cfg.threads})):
         ecfg = EvalConfig(validation=validation, out=run_dir / "eval" / name, device=cfg.device, target=cfg.target,
                           **kwargs)
         _stage(run_dir, f"eval_{name}", ecfg.to_json_dict(), lambda ecfg=ecfg: run_eval(ecfg))
@@ -308,14 +308,14 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path, init_spec: str, fr
             ok, detail = server.wait_ready(300)
             if not ok:
                 raise RuntimeError(f"draft server did not start: {detail}")
-            # at temperature: the distributions of the pack the server serves, loaded here as it runs it (int4)
+            # at temperature: the distributions of the pack the server serves, loaded here as it runs it (the
+            # compute its /health says)
             ecfg = EvalConfig(validation=validation, server=server.url, out=run_dir / "eval" / "trained",
-                              pack_dir=run_dir / "model", compute="int4", target=cfg.target, device=cfg.device,
-                              threads=cfg.threads)
+                              pack_dir=run_dir / "model", target=cfg.target, device=cfg.device, threads=cfg.threads)
             exit_code = run_eval(ecfg)
             # The same server behind prompt lookup (the lookup runs here, in the client, never in the server).
             hcfg = EvalConfig(validation=validation, server=server.url, out=run_dir / "eval" / "trained_lookup",
-                              hybrid_min_ngram=DEFAULT_HYBRID_MIN_NGRAM, pack_dir=run_dir / "model", compute="int4",
+                              hybrid_min_ngram=DEFAULT_HYBRID_MIN_NGRAM, pack_dir=run_dir / "model",
                               target=cfg.target, device=cfg.device, threads=cfg.threads)
             return max(exit_code, run_eval(hcfg))
         finally:
@@ -378,6 +378,7 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path, init_spec: str, fr
         "hybrid_min_ngram": DEFAULT_HYBRID_MIN_NGRAM,
         "acceptance": {name: _acceptance(r) for name, r in reports.items()},
         "draft_latency": reports["trained"].get("latency"),
+        "compute": _compute_choices(reports, speculate),
         "speculate": _speculate_summary(speculate),
         "speculate_llama_cpp": speculate_llama,
         "llama_cpp_not_measured": llama_skipped,
@@ -387,6 +388,15 @@ def _pipeline(cfg: DemoConfig, budget: Budget, run_dir: Path, init_spec: str, fr
         "selfcheck_exit": selfcheck_exit,
         "audit_exit": audit_exit,
     }
+
+
+def _compute_choices(reports: dict[str, dict], speculate: dict) -> dict[str, Any]:
+    """What each model-running step computed its draft in, and why (auto: measured on this machine at load)."""
+    out = {f"eval {name}": compute_choice_of(report.get("drafter_source") or {}) for name, report in reports.items()}
+    out.update({f"speculate {name}": source.get("compute_choice")
+                for name, source in (speculate.get("drafter_sources") or {}).items()})
+    return {where: {"compute": c["compute"], "prefill": c.get("prefill"), "reason": c["reason"]}
+            for where, c in out.items() if c}
 
 
 def _export_result(result) -> dict:
@@ -760,7 +770,14 @@ def summary_markdown(summary: dict) -> str:
                   "(`eval/*/report.md`); the trained draft's from the pack the server serves, loaded in process."]
     latency = summary.get("draft_latency") or {}
     lines += ["", "A 16-token draft over HTTP (eval clients, 8 concurrent): "
-                  f"p50 {_fmt(latency.get('p50_ms'), 0)} ms, p99 {_fmt(latency.get('p99_ms'), 0)} ms.", "",
+                  f"p50 {_fmt(latency.get('p50_ms'), 0)} ms, p99 {_fmt(latency.get('p99_ms'), 0)} ms."]
+    choices = summary.get("compute") or {}
+    if choices:
+        lines += ["", "Draft compute (`--compute auto` measures the formats on this CPU at load and keeps the "
+                      "fastest for each step's work):", ""]
+        lines += [f"- {where}: **{c['compute']}**" + (f", {c['prefill']} prefill" if c["compute"] == "int4" else "")
+                  + f" ({c['reason']})" for where, c in choices.items()]
+    lines += ["",
               f"## Speed in {_engine_name(spec)}, against its own plain greedy decoding", "",
               f"{spec.get('prompts')} prompts x {spec.get('max_new_tokens')} tokens, {spec.get('repeats', 1)} "
               f"pass(es), {spec.get('clock')} clock; every output equal to plain greedy: "

@@ -7,19 +7,11 @@ import random
 import pytest
 import torch
 
-from specdraft.cli import main
 from specdraft.model.loader import ModelLoadError
 from specdraft.model.tiny import build_tiny_model
 from specdraft.quant import q4g
 from specdraft.quant.linear import BF16Linear, Int4Linear, apply_compute
 from specdraft.server.engine import load_engine
-
-
-@pytest.fixture(scope="module")
-def packed_dir(tiny_qwen3_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("packed") / "tiny-qwen3-packed"
-    assert main(["pack", "--checkpoint", str(tiny_qwen3_dir), "--out", str(out)]) == 0
-    return out
 
 
 @pytest.mark.parametrize("shape,group", [((48, 64), 32), ((320, 128), 64), ((64, 256), 128)])
@@ -96,7 +88,11 @@ def test_int4_prefill_runs_dense_bf16_and_decode_runs_the_codes(packed_dir, int4
         lambda mod, args, kw: forwards.append(body[0].phase.prefill), with_kwargs=True)  # runs after track_phase
     from specdraft.model.decode import draft_batch
     from specdraft.model.lean import lean_forward
-    assert lean_forward(engine.model) is not None  # built before counting (its fusion probe calls the kernel)
+    plan = lean_forward(engine.model)
+    assert plan is not None  # built before counting (its fusion probe calls the kernel)
+    # q/k/v run as one call where the kernel's row blocks let concatenated codes compute what each module does
+    # (it depends on the CPU's kernel: the lean forward probes it), else one call each
+    lean_calls_per_step = 1 + sum(len(layer.qkv) + 4 for layer in plan.layers)  # + o, gate, up, down; the head
     for lean in (False, True):
         forwards.clear()
         with int4_kernel_calls() as calls:
@@ -104,9 +100,27 @@ def test_int4_prefill_runs_dense_bf16_and_decode_runs_the_codes(packed_dir, int4
         prefills, steps = forwards.count(True), forwards.count(False)
         # the 2 decode steps run every linear on its codes, through model(...) or the lean forward
         assert steps == (0 if lean else 2)
-        assert prefills >= 1 and len(calls) == prefills + 2 * len(layers)
-    off = load_engine(packed_dir, None, "int4", dense_prefill=False)
+        assert prefills >= 1 and len(calls) == prefills + 2 * (lean_calls_per_step if lean else len(layers))
+    off = load_engine(packed_dir, None, "int4", prefill="int4")
     assert all(m.phase is None and not hasattr(m, "dense") for m in off.model.modules() if isinstance(m, Int4Linear))
+
+
+def test_int4_with_a_float32_prefill_prefills_as_float32_does_and_decodes_on_the_codes(packed_dir, int4_kernel_calls):
+    """The float32 dense copy holds the codes' values: the prefill's logits are the float32 model's, bit for bit."""
+    from specdraft.model.decode import left_pad
+    f32 = load_engine(packed_dir, None, "float32")
+    mixed = load_engine(packed_dir, None, "int4", prefill="float32")
+    body = [m for m in mixed.model.modules() if isinstance(m, Int4Linear) and m.phase is not None]
+    assert body and all(m.dense.dtype == torch.float32 for m in body)
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10]], pad_id=0)
+    with torch.inference_mode(), int4_kernel_calls() as calls:
+        a = f32.model(ids, attention_mask=mask).logits
+        b = mixed.model(ids, attention_mask=mask).logits
+    assert len(calls) == 1  # the head alone runs on its codes (rescored); every body layer on the float32 copy
+    assert torch.equal(a[..., :-1, :].argmax(-1), b[..., :-1, :].argmax(-1))
+    hidden_f32 = f32.model.model(ids, attention_mask=mask).last_hidden_state
+    hidden_mixed = mixed.model.model(ids, attention_mask=mask).last_hidden_state
+    assert torch.equal(hidden_f32, hidden_mixed)
 
 
 def test_prefill_row_buckets_are_few_and_cap_padding_at_25_percent():
@@ -218,3 +232,33 @@ def test_int4_runs_each_tensor_at_its_own_group_size(tmp_path):
     with torch.inference_mode():
         a, b = f32.model(ids).logits, engine.model(ids).logits
     assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+def test_f32_linear_gives_a_row_the_same_bits_in_any_batch():
+    """Plain float32 linear rounds a row differently by how many rows share the call (MKL's GEMV / tile paths);
+    padded to the probed row block it does not: what the server's float32 needs."""
+    from specdraft.quant.linear import F32Linear, f32_row_block
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 64) * 0.1, torch.randn(40, 64)
+    block = f32_row_block(64, torch.get_num_threads())
+    assert block is not None  # some row block makes this machine's GEMM row-invariant (the probe found it)
+    layer = F32Linear(weight, row_block=block)
+    alone = [layer(x[i:i + 1])[0] for i in range(len(x))]
+    for m in (2, 3, 5, 8, 13, 40):
+        together = layer(x[:m])
+        assert all(torch.equal(together[i], alone[i]) for i in range(m))
+    assert torch.allclose(layer(x), x @ weight.T, atol=1e-5)
+
+
+def test_a_row_invariant_float32_model_swaps_in_padded_linears_or_is_refused(packed_dir, monkeypatch):
+    from specdraft.model.loader import load_draft
+    from specdraft.quant import linear
+    model, source = load_draft(packed_dir, "float32", row_invariant=True)
+    padded = [m for m in model.modules() if isinstance(m, linear.F32Linear)]
+    assert padded and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert source["compute_summary"]["f32_row_block"] == padded[0].row_block > 1
+    plain, _ = load_draft(packed_dir, "float32")  # in process, a stage may take the unpadded GEMM
+    assert not any(isinstance(m, linear.F32Linear) for m in plain.modules())
+    monkeypatch.setattr(linear, "model_f32_row_block", lambda model: None)
+    with pytest.raises(ValueError, match="float32 cannot compute each row the same"):
+        load_draft(packed_dir, "float32", row_invariant=True)

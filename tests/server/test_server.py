@@ -105,14 +105,6 @@ def assert_error(r: httpx.Response, status: int, field: str, reason: str = "") -
 # ----------------------------------------------------------------------------- end to end (subprocess)
 
 @pytest.fixture(scope="module")
-def packed_dir(tiny_qwen3_dir, tmp_path_factory):
-    from specdraft.cli import main
-    out = tmp_path_factory.mktemp("packed") / "tiny-qwen3-packed"
-    assert main(["pack", "--checkpoint", str(tiny_qwen3_dir), "--out", str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
 def live(packed_dir):
     """serve.sh (`specdraft serve`, --weights MODEL_DIR/draft.qd4) on the packed tiny model, port 0;
     yields (url, log lines)."""
@@ -153,7 +145,14 @@ def test_serve_logs_the_loader_line_and_health(live, packed_dir):
     assert any("specdraft.model.loader: loaded qd4 missing=0 unexpected=0" in x and str(packed_dir / "draft.qd4") in x
                for x in lines), lines
     health = httpx.get(url + "/health").json()
-    assert health == {"status": "ok", "model": packed_dir.name, "compute": "int4", "detail": None}
+    choice = health.pop("compute_choice")
+    assert health == {"status": "ok", "model": packed_dir.name, "compute": choice["compute"], "detail": None}
+    # the default, auto: measured at load on the server's work, and said in the log and in /health
+    assert choice["requested"] == "auto" and choice["reason"].startswith("measured over 6 scenarios")
+    assert choice["workload"] == {"decode_rows": [1, 4], "context_tokens": [64, 256, 1024], "draft_tokens": 16}
+    timed = [row for row in choice["candidates"].values() if "worst_ratio_to_fastest" in row]
+    assert timed and all(row["worst_ratio_to_fastest"] >= 1.0 for row in timed)
+    assert any(f"compute auto: {choice['compute']}" in x for x in lines), lines
 
 
 def test_concurrent_requests_get_their_single_request_drafts(live, packed_dir):
@@ -409,7 +408,8 @@ def test_sampled_drafts_are_seeded_and_batched_equal_alone(live, packed_dir):
         if r.get("top_alternatives"):
             assert all(len(ids) == 4 and p == sorted(p, reverse=True) for ids, p in zip(s["top_ids"], s["top_probs"]))
     sampled = [(r, s) for r, s in zip(requests, single) if "sampling" in r][:4]
-    engine = load_engine(packed_dir, None, "int4")
+    served = httpx.get(url + "/health").json()["compute_choice"]  # the server's auto choice, loaded here alike
+    engine = load_engine(packed_dir, None, served["compute"], prefill=served["prefill"])
     for r, s in sampled:
         settings = DraftSampling(SamplingParams(**{k: v for k, v in r["sampling"].items() if k != "seed"}),
                                  seed=r["sampling"]["seed"], return_probs=True)
@@ -624,7 +624,8 @@ def test_health_is_503_until_the_weights_are_loaded(monkeypatch, packed_dir):
         # the request schema is known before the weights: bad input is still a 4xx
         assert httpx.post(srv.url + "/draft", json={"token_ids": [1.5]}).status_code == 422
         release.set()
-        assert wait_healthy(srv.url, 60)["compute"] == "int4"
+        health = wait_healthy(srv.url, 60)
+        assert health["compute"] == health["compute_choice"]["compute"] and health["compute_choice"]["reason"]
         assert httpx.post(srv.url + "/draft", json={"token_ids": [1], "num_tokens": 2}).status_code == 200
 
 

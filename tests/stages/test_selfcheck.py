@@ -1,18 +1,7 @@
 import json
 import shutil
 
-import pytest
-
 from specdraft.stages.selfcheck import Checks, SelfcheckConfig, check_weight_file, invalid_requests, run_selfcheck
-
-
-@pytest.fixture(scope="module")
-def packed_dir(tiny_qwen3_dir, tmp_path_factory):
-    from specdraft.stages.pack import PackConfig, run_pack
-
-    out = tmp_path_factory.mktemp("packed") / "model"
-    run_pack(PackConfig(checkpoint=str(tiny_qwen3_dir), out=str(out)))
-    return out
 
 
 def test_selfcheck_passes_on_a_tiny_packed_model(packed_dir, tmp_path, capsys):

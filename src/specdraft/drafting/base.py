@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -94,6 +94,11 @@ class Drafter(ABC):
     @property
     def vocab_size(self) -> int | None:
         """The draft model's vocabulary size, to check token ids against; None where no model is in process."""
+        return None
+
+    @property
+    def backpressure(self) -> dict[str, Any] | None:
+        """What a draft server's refusals cost so far (retries, seconds waited, concurrency); None in process."""
         return None
 
     @property

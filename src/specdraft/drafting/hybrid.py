@@ -8,7 +8,7 @@ inference (the draft server never sees the lookup); the combination lives in the
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from specdraft.drafting.base import DraftDistributions, Drafter, DrafterError
 from specdraft.drafting.lookup import MAX_NGRAM, lookup_draft
@@ -37,6 +37,10 @@ class HybridDrafter(Drafter):
     @property
     def compile_error(self) -> str | None:
         return self.model_drafter.compile_error
+
+    @property
+    def backpressure(self) -> dict[str, Any] | None:
+        return self.model_drafter.backpressure
 
     def _lookup(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> tuple[list[list[int]], list[int]]:
         """Lookup's drafts, and the indices of the contexts it has nothing for (the model's)."""

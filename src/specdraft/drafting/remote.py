@@ -4,11 +4,19 @@ Sampled drafts (``draft_with_probs``) use the request's optional fields: ``sampl
 seed}, ``return_probs`` and ``top_alternatives`` (at most ``MAX_TOP_ALTERNATIVES``); the answer then carries
 ``draft_probs`` (q of each drafted token) and ``top_ids`` / ``top_probs`` (q's most likely tokens at each
 position). Without those fields a request is today's greedy one.
+
+A server that cannot keep up answers 503 with ``Retry-After`` (overloaded, queue full, timed out, still loading).
+The client honours it: it waits as told and sends the request again, and halves how many requests it keeps in
+flight (``AdaptiveLimit``, additive increase after successes, as TCP's congestion window), so a slow server makes
+an evaluation slower, never failed. Only a server still refusing after ``patience_s`` is an error, one that names
+the server, the waits and what to change.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +28,15 @@ import torch
 from specdraft.drafting.base import DraftDistributions, Drafter, DrafterError
 from specdraft.model.sampling import SamplingParams
 
+log = logging.getLogger(__name__)
+
 # The most alternatives per token the server answers: q is known whole (and speculative sampling with the server's
 # drafts lossless) only when top_k is at most this.
 MAX_TOP_ALTERNATIVES = 64
+# 503 answers worth another try after Retry-After: the server is busy or still loading, not going away
+RETRYABLE_ERRORS = ("overloaded", "queue_full", "timeout", "not_ready")
+DEFAULT_PATIENCE_S = 600.0  # how long one request keeps retrying before the client gives up
+MAX_RETRY_WAIT_S = 30.0  # the longest single wait, whatever Retry-After says
 
 
 def _int_list(value: Any) -> bool:
@@ -74,17 +88,60 @@ def parse_sampled(answer: dict, where: str) -> DraftDistributions:
     return DraftDistributions(list(ids), support, q)
 
 
-class HTTPDrafter(Drafter):
-    """Drafts from the draft server: one ``POST /draft`` per context, ``concurrency`` requests in flight.
+class AdaptiveLimit:
+    """How many requests may be in flight: at most ``ceiling``, halved when the server refuses one (at most once
+    per ``cooldown_s``, so one burst of refusals halves it once), one more after each ``limit`` answers in a row."""
 
-    Keeps each request's latency (seconds); ``take_latencies()`` returns and clears them.
+    def __init__(self, ceiling: int, cooldown_s: float = 1.0, clock=time.monotonic):
+        self.ceiling, self.limit, self.lowest = ceiling, ceiling, ceiling
+        self.cooldown_s, self._clock = cooldown_s, clock
+        self._in_flight, self._answered, self._last_cut = 0, 0, -math.inf
+        self._cond = threading.Condition()
+
+    def acquire(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._in_flight < self.limit)
+            self._in_flight += 1
+
+    def release(self, refused: bool) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            now = self._clock()
+            if refused:
+                self._answered = 0
+                if now - self._last_cut >= self.cooldown_s and self.limit > 1:
+                    self.limit, self._last_cut = max(1, self.limit // 2), now
+                    self.lowest = min(self.lowest, self.limit)
+            else:
+                self._answered += 1
+                if self._answered >= self.limit and self.limit < self.ceiling:
+                    self.limit, self._answered = self.limit + 1, 0
+            self._cond.notify_all()
+
+
+def retry_after_seconds(response: httpx.Response, default: float = 1.0) -> float:
+    """The wait a 503 asks for: its Retry-After in seconds (integer or decimal), ``default`` without one."""
+    try:
+        return max(0.0, float(response.headers.get("retry-after", default)))
+    except ValueError:  # an HTTP date, which this server never sends
+        return default
+
+
+class HTTPDrafter(Drafter):
+    """Drafts from the draft server: one ``POST /draft`` per context, up to ``concurrency`` requests in flight,
+    fewer while the server refuses work (``AdaptiveLimit``); a refused request is sent again after its Retry-After
+    for up to ``patience_s`` seconds.
+
+    Keeps each request's latency (seconds; of the answered attempt); ``take_latencies()`` returns and clears them.
+    ``backpressure`` counts the retries, the seconds waited and the lowest concurrency reached.
     """
 
     def __init__(self, url: str, concurrency: int = 8, timeout: float = 120.0, name: str | None = None,
-                 transport: httpx.BaseTransport | None = None):
+                 transport: httpx.BaseTransport | None = None, patience_s: float = DEFAULT_PATIENCE_S):
         self.url = url.rstrip("/")
         self.concurrency = concurrency
         self.name = name or self.url
+        self.patience_s = patience_s
         self._named = name is not None
         self._client = httpx.Client(base_url=self.url, timeout=timeout, transport=transport,
                                     limits=httpx.Limits(max_connections=concurrency,
@@ -92,14 +149,59 @@ class HTTPDrafter(Drafter):
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="http-drafter")
         self._latencies: list[float] = []
         self._lock = threading.Lock()
+        self._limit = AdaptiveLimit(concurrency)
+        self._retries, self._waited = 0, 0.0
+
+    @property
+    def backpressure(self) -> dict[str, Any]:
+        """What the server's refusals cost so far: retries, seconds waited, the concurrency now and its lowest."""
+        with self._lock:
+            return {"retries": self._retries, "waited_s": round(self._waited, 3), "concurrency": self.concurrency,
+                    "concurrency_now": self._limit.limit, "concurrency_lowest": self._limit.lowest}
+
+    def health(self) -> dict:
+        """The server's ``GET /health`` answer (what it serves, and its compute and why)."""
+        try:
+            answer = self._client.get("/health").json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise DrafterError(f"{self.url}/health: no usable answer ({e.__class__.__name__}: {e})") from e
+        if not isinstance(answer, dict):
+            raise DrafterError(f"{self.url}/health: not a JSON object: {str(answer)[:200]}")
+        return answer
 
     def _post(self, body: dict) -> dict:
-        started = time.perf_counter()
-        try:
-            response = self._client.post("/draft", json=body)
-        except httpx.HTTPError as e:
-            raise DrafterError(f"{self.url}/draft: request failed ({e.__class__.__name__}: {e})") from e
-        elapsed = time.perf_counter() - started
+        """One answered ``POST /draft``: refusals (503 + Retry-After) waited out and retried within the patience."""
+        first_refusal, waits = None, []
+        while True:
+            self._limit.acquire()
+            started = time.perf_counter()
+            try:
+                response = self._client.post("/draft", json=body)
+            except httpx.HTTPError as e:
+                self._limit.release(refused=False)
+                raise DrafterError(f"{self.url}/draft: request failed ({e.__class__.__name__}: {e})") from e
+            elapsed = time.perf_counter() - started
+            refused = response.status_code == 503 and _error_name(response) in RETRYABLE_ERRORS
+            self._limit.release(refused)
+            if not refused:
+                break
+            now = time.monotonic()
+            first_refusal = first_refusal or now
+            wait = min(MAX_RETRY_WAIT_S, retry_after_seconds(response)) * random.uniform(1.0, 1.25)  # de-synchronise
+            if now + wait - first_refusal > self.patience_s:
+                raise DrafterError(
+                    f"{self.url}/draft: the server still refused after {len(waits) + 1} tries over "
+                    f"{now - first_refusal:.0f}s (waits {', '.join(f'{w:.1f}s' for w in waits) or 'none'}; last "
+                    f"answer HTTP 503 {response.text[:200]}). It cannot keep up: lower the client's concurrency "
+                    f"(now {self._limit.limit} of {self.concurrency}), raise its patience, raise the server's "
+                    "--request-timeout-s, or serve a faster --compute (auto measures it) or more --threads")
+            if not waits:
+                log.info("%s/draft busy (HTTP 503 %s): retrying after %.1fs; %d requests in flight at most now",
+                         self.url, _error_name(response), wait, self._limit.limit)
+            waits.append(wait)
+            with self._lock:
+                self._retries, self._waited = self._retries + 1, self._waited + wait
+            time.sleep(wait)
         if response.status_code != 200:
             raise DrafterError(f"{self.url}/draft answered HTTP {response.status_code}: {response.text[:300]}")
         try:
@@ -152,3 +254,12 @@ class HTTPDrafter(Drafter):
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._client.close()
+
+
+def _error_name(response: httpx.Response) -> str | None:
+    """The ``error`` field of a specdraft error body (None for any other body)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body.get("error") if isinstance(body, dict) else None

@@ -6,7 +6,7 @@ A model dir is either a packed dir (``specdraft pack``: config.json, tokenizer, 
 check (byte count, header, names and shapes against config.json, payload sha256) before any model is built --
 or a plain Hugging Face checkpoint dir (``from_pretrained``, its safetensors headers checked first). The linear
 layers then compute in the chosen format (``quant.linear.apply_compute``: float32, bfloat16, or int4 on the
-QD04 codes themselves).
+QD04 codes themselves), given or measured for this machine (``auto``: ``quant.compute_choice``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from specdraft.core.io import read_json, sha256_file
 from specdraft.model.device import resolve_device
 from specdraft.model.specs import describe_source, load_config, weight_file_problems
 from specdraft.quant import q4g, qd4
-from specdraft.quant.linear import Compute, apply_compute
+from specdraft.quant.compute_choice import SERVE_WORKLOAD, ComputeSetting, Workload, choose_compute, linear_shapes
+from specdraft.quant.linear import Int4Prefill, apply_compute, model_f32_row_block
 from specdraft.quant.qd4 import QD4Error
 
 log = logging.getLogger(__name__)
@@ -44,16 +45,19 @@ class ModelLoadError(ValueError):
     """A model dir or weight file that cannot be loaded; the message names the path and the reason."""
 
 
-def load_draft(model_dir: str | os.PathLike, compute: Compute = "float32", *, weights: str | os.PathLike | None = None,
-               dense_prefill: bool = True, device: str = "cpu") -> tuple[nn.Module, dict[str, Any]]:
+def load_draft(model_dir: str | os.PathLike, compute: ComputeSetting = "float32", *,
+               weights: str | os.PathLike | None = None, prefill: Int4Prefill = "bfloat16", device: str = "cpu",
+               workload: Workload = SERVE_WORKLOAD, row_invariant: bool = False) -> tuple[nn.Module, dict[str, Any]]:
     """(model in eval mode, source record) for a draft model dir.
 
     A packed dir goes through ``load_packed_model`` (``weights``, when given, must be the dir's own QD04 file);
     a dir without a QD04 file through ``from_pretrained``. ``compute`` swaps the linear layers
-    (``apply_compute``; int4 runs the QD04 codes, or codes made at load for float weights; ``dense_prefill``:
-    its prefill pass on a dense bf16 copy) and the model moves to ``device`` (``auto``: cuda when available; int4
-    off the CPU runs in bfloat16). The source record says what was loaded: path, format (qd4 | hf), weights
-    sha256, load info, the compute summary and the device.
+    (``apply_compute``; int4 runs the QD04 codes, or codes made at load for float weights; ``prefill``: what its
+    prefill pass runs on); ``auto`` measures which format runs ``workload`` fastest here (``resolve_compute``).
+    The model moves to ``device`` (``auto``: cuda when available; int4 off the CPU runs in bfloat16). The source
+    record says what was loaded: path, format (qd4 | hf), weights sha256, load info, the compute chosen and why,
+    the compute summary and the device. ``row_invariant``: each row computed the same whatever shares its batch
+    (the server's promise; ``quant.linear.apply_compute``).
     """
     started = time.time()
     device = resolve_device(device)
@@ -67,8 +71,6 @@ def load_draft(model_dir: str | os.PathLike, compute: Compute = "float32", *, we
         model, info = load_packed_model(model_dir, dtype=torch.float32)
         source: dict[str, Any] = {"path": str(model_dir), "format": "qd4", "weights": str(weight_path),
                                   "weights_sha256": sha256_file(weight_path), "load_info": info.to_json()}
-        if compute == "int4":
-            quantized = qd4.load_qd4_quantized(weight_path, verify=False)  # verified by load_packed_model
         group_size = info.group_size
     else:
         corrupt = weight_file_problems(model_dir)
@@ -77,11 +79,32 @@ def load_draft(model_dir: str | os.PathLike, compute: Compute = "float32", *, we
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         log.info("loaded %s with from_pretrained (no QD04 weight file)", model_dir)
         source = {**describe_source(model_dir), "format": "hf"}
+    choice = resolve_compute(model, compute, prefill, device, workload, group_size, row_invariant)
+    compute, prefill = choice["compute"], choice["prefill"]
+    if compute == "int4" and weight_path is not None:
+        quantized = qd4.load_qd4_quantized(weight_path, verify=False)  # verified by load_packed_model
     source["compute"] = compute
-    source["compute_summary"] = apply_compute(model, compute, quantized, group_size, dense_prefill, device)
+    source["compute_choice"] = choice
+    source["compute_summary"] = apply_compute(model, compute, quantized, group_size, prefill, device, row_invariant)
     source["device"] = device
     source["seconds"] = round(time.time() - started, 3)
     return model.to(device).eval(), source
+
+
+def resolve_compute(model: nn.Module, compute: ComputeSetting, prefill: Int4Prefill, device: str,
+                    workload: Workload, group_size: int, row_invariant: bool = False) -> dict[str, Any]:
+    """The format the linear layers run in, and why: an explicit ``compute`` as given; ``auto`` measured on the
+    CPU (``quant.compute_choice.choose_compute`` on the model's own shapes and the stage's ``workload``); ``auto``
+    off the CPU is bfloat16, the accelerators' matmul format (the int4 kernel is torch's CPU one)."""
+    if compute != "auto":
+        return {"compute": compute, "prefill": prefill, "requested": compute, "reason": f"--compute {compute}"}
+    if torch.device(device).type != "cpu":
+        return {"compute": "bfloat16", "prefill": "bfloat16", "requested": "auto",
+                "reason": f"bfloat16 on {device} (not measured: the int4 kernel is CPU-only, bf16 is the accelerator's "
+                          "matmul format)"}
+    row_block = model_f32_row_block(model) if row_invariant else 1
+    choice = choose_compute(linear_shapes(model), workload, group_size=group_size, f32_row_block=row_block)
+    return {"requested": "auto", **choice.to_json()}
 
 
 def packed_weight_file(model_dir: str | os.PathLike) -> Path | None:

@@ -4,14 +4,18 @@
   bfloat16  ``BF16Linear``: bf16 weights, bf16 matmul, output in the input's dtype
   int4      ``Int4Linear``: the QD04 4-bit codes themselves, run by torch's CPU weight-only int4 kernel
             (``aten._weight_int4pack_mm_for_cpu``, bf16 activations) in decode steps; the prefill pass runs a
-            dense bf16 copy of the same weights; a tied lm_head rescores its top candidates in float32
+            dense copy of the same weights (``Int4Prefill``: bf16 or float32) or the codes too; a tied lm_head
+            rescores its top candidates in float32
 
-At batch 1 every generated token reads every weight once, so bytes per weight set the decode speed:
-4 (float32) > 2 (bfloat16) > ~0.56 (int4 codes + an fp16 scale and zero per group of 64).
+At batch 1 every generated token reads every weight once, so bytes per weight bound the decode speed:
+4 (float32) > 2 (bfloat16) > ~0.56 (int4 codes + an fp16 scale and zero per group of 64). Which format is
+fastest still depends on the CPU's kernels (bf16 matmuls without AVX-512 bf16 cost several times float32's):
+``quant.compute_choice`` measures it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Literal
 
@@ -24,6 +28,8 @@ log = logging.getLogger(__name__)
 
 
 Compute = Literal["float32", "bfloat16", "int4"]
+Int4Prefill = Literal["bfloat16", "float32", "int4"]  # what an int4 model's prefill pass runs on
+DENSE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
 INT4_N_MULTIPLE = 16  # the CPU int4 packer needs out_features % 16 == 0
 RESCORE_TOP_K = 8  # lm_head candidates recomputed in float32 (Int4Linear)
@@ -32,9 +38,70 @@ RESCORE_TOP_K = 8  # lm_head candidates recomputed in float32 (Int4Linear)
 HEAD_SEARCH_GROUP_SIZE = 32
 # Longest extension of a kept cache still run on the int4 kernel (is_prefill); past this the dense bf16 GEMM wins
 INT4_EXTEND_MAX_TOKENS = 16
+F32_ROW_BLOCKS = (8, 16, 32, 64)  # the row multiples f32_row_block tries
 
 
 # --------------------------------------------------------------------------------------- linear layers
+
+class F32Linear(nn.Module):
+    """y = x W^T (+ b) in float32, the rows padded to a multiple of ``row_block``.
+
+    The CPU float32 GEMM (MKL) picks its kernel by the number of rows: one row (a GEMV) and row counts off the
+    kernel's tiles round differently from full tiles, so a row's result depends on how many others share the
+    call. Padded to whole tiles (``f32_row_block`` finds their size on this machine, by a probe) a row gets the
+    same bits alone or in any batch: what the server promises each request.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, row_block: int = 8):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.row_block = row_block
+        self.register_buffer("weight", weight.detach().to(torch.float32))  # the same storage when already float32
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        y = padded_linear(x2.to(torch.float32), self.weight, self.row_block).to(x.dtype)  # [M, N]
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def weight_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, row_block: int) -> torch.Tensor:
+    """``linear(x, weight)`` with x's rows padded up to a multiple of ``row_block`` (and the padding dropped)."""
+    m = x.shape[0]
+    pad = -m % row_block
+    if pad:
+        x = nn.functional.pad(x, (0, 0, 0, pad))
+    return nn.functional.linear(x, weight)[:m]
+
+
+@functools.lru_cache(maxsize=None)
+def f32_row_block(in_features: int, threads: int) -> int | None:
+    """The smallest row count in ``F32_ROW_BLOCKS`` whose multiples make this machine's float32 GEMM compute each
+    row the same whatever the other rows are (at ``threads`` threads, ``in_features`` inputs); None when none does.
+    A probe, not an assumption: the same vector at other positions, among other rows, in calls of other sizes."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, in_features, generator=g)
+    probe = torch.randn(in_features, generator=g)
+    for block in F32_ROW_BLOCKS:
+        results = []
+        for rows, at in ((block, 0), (block, block - 1), (2 * block, block + 1), (5 * block, 3 * block + 2)):
+            x = torch.randn(rows, in_features, generator=g)
+            x[at] = probe
+            results.append(nn.functional.linear(x, weight)[at])
+        if all(torch.equal(r, results[0]) for r in results):
+            return block
+    return None
+
+
+def model_f32_row_block(model: nn.Module) -> int | None:
+    """The row block that makes every float32 linear of ``model`` row-invariant here (None where none does)."""
+    blocks = {f32_row_block(m.in_features, torch.get_num_threads()) for m in _linear_modules(model).values()}
+    return None if None in blocks or not blocks else max(blocks)
+
 
 class BF16Linear(nn.Module):
     """y = x W^T (+ b) with W stored in bfloat16; input cast to bf16, output cast back to x's dtype."""
@@ -99,11 +166,11 @@ class Int4Linear(nn.Module):
     float32 from the same codes, so that the greedy argmax is the float32 one unless the true winner is
     not among the kernel's top k.
 
-    With ``phase`` the prefill pass (many rows) runs a dense bf16 matmul on a bf16 copy of the same
-    dequantised weights instead: the int4 kernel is built for few rows and is slower than a bf16 GEMM at
-    hundreds of rows, while decode steps (one row per sequence) stay on the 4-bit codes. Both
+    With ``phase`` the prefill pass (many rows) runs a dense matmul on a copy of the same dequantised weights
+    in ``dense_dtype`` (bf16 or float32) instead: the int4 kernel is built for few rows and is slower than a
+    dense GEMM at hundreds of rows, while decode steps (one row per sequence) stay on the 4-bit codes. Both
     kernels compute each row independently of the others, so a row gets the same result alone or batched.
-    The prefill rows are padded up to ``bucket_rows(M)``: the bf16 GEMM keeps per-shape state, and with a
+    bf16 prefill rows are padded up to ``bucket_rows(M)``: the bf16 GEMM keeps per-shape state, and with a
     new M for every batch the server's memory would grow with the number of shapes it has seen.
 
     ``exact_rows``: the weight as the file stores it, when ``q`` was made from it at load (a raw f16 head):
@@ -112,7 +179,8 @@ class Int4Linear(nn.Module):
     """
 
     def __init__(self, q: q4g.QuantizedTensor, bias: torch.Tensor | None = None, rescore_top_k: int = 0,
-                 phase: Phase | None = None, exact_rows: torch.Tensor | None = None):
+                 phase: Phase | None = None, exact_rows: torch.Tensor | None = None,
+                 dense_dtype: torch.dtype = torch.bfloat16, row_block: int = 1):
         super().__init__()
         n, k = q.shape
         g = q.group_size
@@ -121,13 +189,14 @@ class Int4Linear(nn.Module):
             raise ValueError(reason)
         self.out_features, self.in_features, self.group_size = n, k, g
         self.rescore_top_k = rescore_top_k
+        self.row_block = row_block  # a float32 prefill's rows padded to whole GEMM tiles (F32Linear)
         codes = q4g.unpack_codes(q.codes).to(torch.int32)  # [N, K] values 0..15
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))  # [N, K/2]
         self.register_buffer("scales_and_zeros", q4g.int4pack_scales_and_zeros(q, torch.bfloat16))  # [K/G, N, 2]
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32))
         self.phase = phase
         if phase is not None:
-            self.register_buffer("dense", q4g.dequantize(q, torch.bfloat16))  # [N, K] for the prefill pass
+            self.register_buffer("dense", q4g.dequantize(q, dense_dtype))  # [N, K] for the prefill pass
         self.register_buffer("exact_rows", None if exact_rows is None else exact_rows.detach().clone())  # [N, K]
         if rescore_top_k and exact_rows is None:  # the QD04 parts themselves, to dequantise a few rows exactly
             self.register_buffer("q_codes", q.codes.clone())  # [N, K/2] uint8
@@ -138,9 +207,12 @@ class Int4Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if self.phase is not None and self.phase.prefill:
-            m = x2.shape[0]
-            xp = nn.functional.pad(x2, (0, 0, 0, bucket_rows(m) - m)).to(torch.bfloat16)  # [M', K]
-            y = nn.functional.linear(xp, self.dense)[:m].to(x.dtype)  # [M, N]
+            if self.dense.dtype == torch.bfloat16:
+                m = x2.shape[0]
+                xp = nn.functional.pad(x2, (0, 0, 0, bucket_rows(m) - m)).to(torch.bfloat16)  # [M', K]
+                y = nn.functional.linear(xp, self.dense)[:m].to(x.dtype)  # [M, N]
+            else:
+                y = padded_linear(x2.to(torch.float32), self.dense, self.row_block).to(x.dtype)  # [M, N]
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group_size,
                                                            self.scales_and_zeros).to(x.dtype)  # [M, N]
@@ -208,8 +280,8 @@ def _weight_name_for(model: nn.Module, linear_name: str, linear: nn.Linear) -> s
 
 
 def apply_compute(model: nn.Module, compute: Compute, quantized: dict[str, Any] | None = None,
-                  group_size: int = q4g.DEFAULT_GROUP_SIZE, dense_prefill: bool = True,
-                  device: str = "cpu") -> dict[str, Any]:
+                  group_size: int = q4g.DEFAULT_GROUP_SIZE, prefill: Int4Prefill = "bfloat16",
+                  device: str = "cpu", row_invariant: bool = False) -> dict[str, Any]:
     """Swap the model's nn.Linear modules for the chosen format, in place; return a summary.
 
     For int4, ``quantized`` maps stored tensor names to what a QD04 file holds (``qd4.load_qd4_quantized``):
@@ -217,11 +289,18 @@ def apply_compute(model: nn.Module, compute: Compute, quantized: dict[str, Any] 
     take its shape -- except a raw head (an f16 embedding kept on purpose), which searches on codes made at
     load and rescores its top candidates from the stored rows (``Int4Linear(exact_rows=)``). With no file
     (``quantized`` None: float weights from from_pretrained) each linear is quantised now with ``q4g.quantize``
-    (the packer's quantiser). ``Int4Linear`` runs torch's CPU int4 kernel, so on another ``device`` int4 becomes
-    bfloat16 (said in the log and in the summary's ``int4_fallback``).
+    (the packer's quantiser). ``prefill``: what an int4 model's prefill pass runs on, a dense bf16 or float32
+    copy of the codes' values or the codes themselves. ``Int4Linear`` runs torch's CPU int4 kernel, so on another
+    ``device`` int4 becomes bfloat16 (said in the log and in the summary's ``int4_fallback``).
+
+    ``row_invariant``: every row computed the same whatever shares its forward (the server's promise). bf16 and
+    int4 kernels are; float32 linears become ``F32Linear`` (rows padded to whole GEMM tiles), and where no tile
+    size makes this machine's float32 GEMM row-invariant that is refused (``model_f32_row_block``).
     """
     if compute not in ("float32", "bfloat16", "int4"):
         raise ValueError(f"compute must be float32, bfloat16 or int4, got {compute!r}")
+    if prefill not in ("bfloat16", "float32", "int4"):
+        raise ValueError(f"an int4 prefill runs on bfloat16, float32 or int4, got {prefill!r}")
     fallback = None
     if compute == "int4" and torch.device(device).type != "cpu":
         fallback = (f"int4 on {device}: Int4Linear runs torch's CPU int4 kernel; the linear layers run in bfloat16 "
@@ -230,26 +309,40 @@ def apply_compute(model: nn.Module, compute: Compute, quantized: dict[str, Any] 
         compute = "bfloat16"
     summary: dict[str, Any] = {"compute": compute, "from_codes": 0, "quantised_at_load": 0,
                                "bf16_fallback": [], "linear_weight_bytes": 0,
-                               "dense_prefill": bool(dense_prefill and compute == "int4"),
+                               "prefill": prefill if compute == "int4" else compute,
                                **({"int4_fallback": fallback} if fallback else {})}
+    uses_f32 = compute == "float32" or (compute == "int4" and prefill == "float32")
+    row_block = 1
+    if row_invariant and uses_f32 and torch.device(device).type == "cpu":
+        row_block = model_f32_row_block(model)
+        if row_block is None:
+            raise ValueError("float32 cannot compute each row the same whatever shares its batch on this machine "
+                             f"(no row block of {F32_ROW_BLOCKS} makes its GEMM row-invariant): serve with "
+                             "--compute int4 or bfloat16")
+        summary["f32_row_block"] = row_block
     linears = _linear_modules(model)
     head = model.get_output_embeddings()
-    phase = Phase() if summary["dense_prefill"] else None
+    dense = compute == "int4" and prefill in DENSE_DTYPES
+    phase = Phase() if dense else None
+    dense_dtype = DENSE_DTYPES[prefill] if dense else torch.bfloat16
     if phase is not None:
         track_phase(model, phase)
     for name, lin in linears.items():
         bias = lin.bias
         top_k, layer_phase = (RESCORE_TOP_K, None) if lin is head else (0, phase)
+        new: nn.Module
         if compute == "float32":
             summary["linear_weight_bytes"] += lin.weight.numel() * lin.weight.element_size()
-            continue
-        new: nn.Module
-        if compute == "bfloat16":
+            if row_block == 1:
+                continue
+            new = F32Linear(lin.weight, bias, row_block)
+        elif compute == "bfloat16":
             new = BF16Linear(lin.weight, bias)
         elif quantized is not None:  # a QD04 file: its own codes, or bf16 where it holds none usable
             stored = quantized.get(_weight_name_for(model, name, lin))
             if isinstance(stored, q4g.QuantizedTensor) and int4_unsupported(stored.shape, stored.group_size) is None:
-                new, summary["from_codes"] = Int4Linear(stored, bias, top_k, layer_phase), summary["from_codes"] + 1
+                new = Int4Linear(stored, bias, top_k, layer_phase, dense_dtype=dense_dtype, row_block=row_block)
+                summary["from_codes"] += 1
             elif (lin is head and isinstance(stored, torch.Tensor)
                   and int4_unsupported(tuple(stored.shape), HEAD_SEARCH_GROUP_SIZE) is None):
                 # a head kept raw on purpose: search on codes made now, rescore the candidates from its rows
@@ -260,12 +353,14 @@ def apply_compute(model: nn.Module, compute: Compute, quantized: dict[str, Any] 
                 new = BF16Linear(lin.weight, bias)
                 summary["bf16_fallback"].append(name)
         elif int4_unsupported(tuple(lin.weight.shape), group_size) is None:  # float weights: quantise now
-            new = Int4Linear(q4g.quantize(lin.weight.detach().float(), group_size), bias, top_k, layer_phase)
+            new = Int4Linear(q4g.quantize(lin.weight.detach().float(), group_size), bias, top_k, layer_phase,
+                             dense_dtype=dense_dtype, row_block=row_block)
             summary["quantised_at_load"] += 1
         else:
             new = BF16Linear(lin.weight, bias)
             summary["bf16_fallback"].append(name)
-        summary["linear_weight_bytes"] += new.weight_bytes()
+        if compute != "float32":
+            summary["linear_weight_bytes"] += new.weight_bytes()
         _set_module(model, name, new)
     if summary["bf16_fallback"]:
         log.warning("%d linear layers have no usable int4 codes, kept in bfloat16: %s",

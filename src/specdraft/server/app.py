@@ -204,7 +204,7 @@ def create_app(config: ServeConfig, engine: Any = None,
     def load() -> None:
         try:
             loaded = load_engine(config.model_dir, config.weights, config.compute, config.model_name,
-                                 config.dense_prefill, config.lean, config.device)
+                                 config.int4_prefill, config.lean, config.device)
             if loaded.vocab_size != vocab_size:
                 raise ValueError(f"loaded vocab {loaded.vocab_size} != config.json vocab {vocab_size}")
             state.start(loaded)
@@ -290,8 +290,10 @@ def create_app(config: ServeConfig, engine: Any = None,
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "not ready"}})
     async def health() -> Any:
-        body = Health(status=state.status, model=getattr(state.engine, "name", None),
-                      compute=getattr(state.engine, "compute", None), detail=state.error)
+        engine = state.engine
+        body = Health(status=state.status, model=getattr(engine, "name", None),
+                      compute=getattr(engine, "compute", None), detail=state.error,
+                      compute_choice=getattr(engine, "compute_choice", None))
         ok = state.status == "ok" and state.scheduler is not None and state.scheduler.running
         return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 

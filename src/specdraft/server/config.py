@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field
 
 from specdraft.core.config import StageConfig
+from specdraft.quant.compute_choice import ComputeSetting
+from specdraft.quant.linear import Int4Prefill
 
 
 class ServeConfig(StageConfig):
@@ -46,13 +46,17 @@ class ServeConfig(StageConfig):
     threads: int | None = Field(None, ge=1, le=256,
                                 description="torch intra-op threads (default: CPUs - 1, leaving one core to the "
                                             "HTTP side; at least 1)")
-    compute: Literal["float32", "bfloat16", "int4"] = Field(
-        "int4", description="format of the linear layers: float32, bfloat16 weights, or the QD04 4-bit codes run "
-                            "by torch's CPU int4 kernel (the fewest bytes read per decode step)")
-    dense_prefill: bool = Field(
-        True, description="with compute=int4, run the prefill of the contexts as a dense bf16 matmul (a bf16 "
-                          "copy of the layer weights, faster than the int4 kernel at many rows); decode "
-                          "steps stay on the 4-bit codes")
+    compute: ComputeSetting = Field(
+        "auto", description="format of the linear layers: auto times float32, bfloat16 and int4 (with a bf16, "
+                            "float32 or int4 prefill) on the draft's own shapes at load (about a second), for the "
+                            "server's work (contexts of 64 to 1,024 tokens, 1 to 4 requests decoding together), and "
+                            "serves the fastest on this CPU (the log and /health say what it picked and why); or "
+                            "float32, bfloat16, or int4 (the QD04 4-bit codes run by torch's CPU int4 kernel in "
+                            "decode steps)")
+    int4_prefill: Int4Prefill = Field(
+        "bfloat16", description="with --compute int4: what the prefill of the contexts runs on, a dense bfloat16 or "
+                                "float32 copy of the layer weights (faster than the int4 kernel at many rows), or the "
+                                "int4 codes; decode steps stay on the 4-bit codes (auto chooses this too)")
     lean: bool = Field(
         True, description="run decode steps through specdraft's written-out Llama/Qwen forward (specdraft.model.lean: "
                           "the same logits bit for bit, q/k/v in one int4 call, less per-call overhead); off, or "

@@ -22,7 +22,8 @@ from torch import nn
 from specdraft.model.decode import DraftSampling, Generation, RowSampler, SlotDecoder, draft_batch, draft_rows
 from specdraft.model.lean import lean_forward, lean_unsupported
 from specdraft.model.loader import load_draft
-from specdraft.quant.linear import Compute
+from specdraft.quant.compute_choice import SERVE_WORKLOAD, ComputeSetting
+from specdraft.quant.linear import Int4Prefill
 from specdraft.server.scheduler import Draft
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class Engine:
     weights: str | None
     load_info: dict[str, Any] = field(default_factory=dict)
     lean: bool = True  # decode steps through specdraft.model.lean where the model allows it
+    # the compute format and why (``model.loader.resolve_compute``: given, or measured at load)
+    compute_choice: dict[str, Any] = field(default_factory=dict)
 
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
         return draft_batch(self.model, contexts, num_tokens, lean=self.lean)
@@ -123,21 +126,23 @@ def heap_trimmer() -> Callable[[], None] | None:
     return lambda: trim(0)
 
 
-def load_engine(model_dir: str | os.PathLike, weights: str | os.PathLike | None, compute: Compute,
-                name: str | None = None, dense_prefill: bool = True, lean: bool = True, device: str = "cpu") -> Engine:
-    """The draft for serving (``model.loader.load_draft``), its decode steps' lean forward built now (q/k/v
-    fused once) so that the first request does not pay for it."""
-    model, source = load_draft(model_dir, compute, weights=weights, dense_prefill=dense_prefill, device=device)
+def load_engine(model_dir: str | os.PathLike, weights: str | os.PathLike | None, compute: ComputeSetting,
+                name: str | None = None, prefill: Int4Prefill = "bfloat16", lean: bool = True,
+                device: str = "cpu") -> Engine:
+    """The draft for serving (``model.loader.load_draft``; ``auto`` measured on the server's workload), its decode
+    steps' lean forward built now (q/k/v fused once) so that the first request does not pay for it."""
+    model, source = load_draft(model_dir, compute, weights=weights, prefill=prefill, device=device,
+                               workload=SERVE_WORKLOAD, row_invariant=True)
     summary = source["compute_summary"]
     lean_reason = ("off (--no-lean)" if not lean else
                    f"off: {lean_unsupported(model)}" if lean_forward(model) is None else "on")
     info = {**source.get("load_info", {}), **summary, "lean_forward": lean_reason, "seconds": source["seconds"],
             "device": source["device"]}
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    log.info("draft ready on %s: compute=%s, %d linear layers from QD04 codes, %d quantised at load, "
-             "%.1f MB of linear weights per token, lean decode %s, %.2fs", source["device"], summary["compute"],
-             summary["from_codes"], summary["quantised_at_load"], summary["linear_weight_bytes"] / 1e6, lean_reason,
-             source["seconds"])
+    log.info("draft ready on %s: compute=%s (prefill %s; %s), %d linear layers from QD04 codes, %d quantised at "
+             "load, %.1f MB of linear weights per token, lean decode %s, %.2fs", source["device"], summary["compute"],
+             summary["prefill"], source["compute_choice"]["reason"], summary["from_codes"],
+             summary["quantised_at_load"], summary["linear_weight_bytes"] / 1e6, lean_reason, source["seconds"])
     return Engine(model=model, name=name or Path(model_dir).resolve().name, compute=summary["compute"],
                   vocab_size=int(text.vocab_size), max_positions=getattr(text, "max_position_embeddings", None),
-                  weights=source.get("weights"), load_info=info, lean=lean)
+                  weights=source.get("weights"), load_info=info, lean=lean, compute_choice=source["compute_choice"])

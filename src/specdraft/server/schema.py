@@ -92,6 +92,9 @@ class Health(BaseModel):
     model: str | None = None
     compute: str | None = None
     detail: str | None = None
+    compute_choice: dict[str, Any] | None = Field(
+        None, description="the compute format served and why: given (--compute X), or measured at load (auto: each "
+                          "candidate's estimated seconds per request for the server's work, and the CPU's features)")
 
 
 def draft_request_model(vocab_size: int, max_context: int, num_draft: int) -> type[BaseModel]:

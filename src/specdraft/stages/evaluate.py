@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 import torch
 from pydantic import Field, model_validator
@@ -28,7 +28,7 @@ from specdraft.core.io import RecordFileError, atomic_write_json, atomic_write_t
 from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.core.records import load_validation
 from specdraft.drafting.acceptance import evaluate_at_temperatures, evaluate_drafter
-from specdraft.drafting.base import Drafter
+from specdraft.drafting.base import Drafter, DrafterError
 from specdraft.drafting.batched import ModelDrafter
 from specdraft.drafting.hybrid import HybridDrafter
 from specdraft.drafting.lookup import LookupDrafter
@@ -37,6 +37,8 @@ from specdraft.model.device import DEVICE_HELP, resolve_device
 from specdraft.model.loader import load_draft
 from specdraft.model.sampling import SamplingParams
 from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_model
+from specdraft.quant.compute_choice import COMPUTE_HELP, EVAL_WORKLOAD, ComputeSetting, Workload
+from specdraft.quant.linear import Int4Prefill
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +55,11 @@ class EvalConfig(StageConfig):
     batch_size: int = Field(16, ge=1, le=1024, description="points per in-process drafter call (--model-dir)")
     timeout_s: float = Field(120.0, gt=0, description="HTTP timeout per request, seconds")
     limit: int | None = Field(None, ge=1, description="evaluate only the first N points")
-    compute: Literal["float32", "bfloat16", "int4"] = Field(
-        "float32", description="in-process drafter's linear layers: float32 (QD04 dequantised), bfloat16, or "
-                               "int4 (the QD04 codes, as the server runs them)")
+    compute: ComputeSetting = Field(
+        "auto", description="in-process drafter's linear layers: " + COMPUTE_HELP + "; with --server and "
+                            "--pack-dir, auto loads the pack as the server runs it (its /health)")
+    int4_prefill: Int4Prefill = Field("bfloat16", description="with --compute int4: what the prefill runs on "
+                                                              "(bfloat16 or float32 dense copies, or the int4 codes)")
     plots: bool = Field(True, description="write PNG plots")
     threads: int | None = Field(None, ge=1, description="torch CPU threads for an in-process drafter (None: "
                                                         "torch's default)")
@@ -108,11 +112,21 @@ def build_drafter(config: EvalConfig, model_dir: Path | None = None) -> tuple[Dr
     if config.lookup:
         return LookupDrafter(), {"kind": "lookup"}
     if config.server and model_dir is None:
-        drafter, source = (HTTPDrafter(config.server, config.concurrency, config.timeout_s),
-                           {"kind": "http", "url": config.server})
+        http = HTTPDrafter(config.server, config.concurrency, config.timeout_s)
+        drafter, source = http, {"kind": "http", "url": config.server}
+        served = served_compute(http)
+        if served:
+            source["compute_choice"] = served
     else:
         model_dir = Path(model_dir or config.model_dir)
-        model, source = load_draft(model_dir, config.compute, device=config.device)
+        compute, prefill = config.compute, config.int4_prefill
+        if config.server and compute == "auto":  # the served pack: as the server runs it, where it says how
+            with HTTPDrafter(config.server, 1, config.timeout_s) as http:
+                served = served_compute(http)
+            if served:
+                compute, prefill = served["compute"], served["prefill"]
+        workload = Workload(decode_rows=(config.batch_size,), context_tokens=EVAL_WORKLOAD.context_tokens)
+        model, source = load_draft(model_dir, compute, prefill=prefill, device=config.device, workload=workload)
         name = f"{source['format']}:{model_dir.name}"
         drafter, source = (ModelDrafter(model, name=name, max_batch_size=config.batch_size),
                            {"kind": "in-process", **source})
@@ -120,6 +134,15 @@ def build_drafter(config: EvalConfig, model_dir: Path | None = None) -> tuple[Dr
         drafter = HybridDrafter(drafter, min_ngram=config.hybrid_min_ngram)
         source = {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "model": source}
     return drafter, source
+
+
+def served_compute(http: HTTPDrafter) -> dict[str, Any] | None:
+    """The compute a draft server runs and why (its /health), None from a server that does not say."""
+    try:
+        return http.health().get("compute_choice")
+    except DrafterError as e:
+        log.warning("%s", e)
+        return None
 
 
 def acceptance_at_temperature(config: EvalConfig, drafter: Drafter, source: dict, points, *,
@@ -143,7 +166,8 @@ def acceptance_at_temperature(config: EvalConfig, drafter: Drafter, source: dict
         in_process.name = drafter.name
         source = {**source, "served_by": config.server,
                   "note": f"the draft's distributions come from the pack the server serves ({config.pack_dir}), "
-                          f"loaded in process with compute {config.compute}"}
+                          f"loaded in process with compute {source['compute']} (prefill "
+                          f"{source['compute_summary']['prefill']})"}
     target = None
     if any(t > 0 for t in temperatures):
         target = load_model(config.target, dtype=torch.float32, device=resolve_device(config.device))
@@ -180,9 +204,17 @@ def report_markdown(report: Mapping[str, Any], title: str = "Draft acceptance") 
         lines.append(f"| points drafted by prompt lookup (last {hybrid['min_ngram']}+ tokens seen before) / by "
                      f"the model | {hybrid['lookup_points']} / {hybrid['model_points']} |")
     lat = report.get("latency") or {}
+    pressure = report.get("backpressure") or {}
+    if pressure.get("retries"):
+        lines.append(f"| requests the server refused (503) and the client sent again after its Retry-After | "
+                     f"{pressure['retries']} ({pressure['waited_s']:.1f} s waited; concurrency down to "
+                     f"{pressure['concurrency_lowest']} of {pressure['concurrency']}) |")
     if lat.get("calls"):
         lines += [f"| latency p50 per {lat['unit']} | {lat['p50_ms']:.1f} ms |",
                   f"| latency p99 per {lat['unit']} | {lat['p99_ms']:.1f} ms |"]
+    choice = compute_choice_of(report.get("drafter_source") or {})
+    if choice:
+        lines += ["", f"Draft compute: **{choice['compute']}** ({choice['reason']})."]
     lines += ["", f"_{report['means_note']}_", "",
               "## Per position", "",
               "| position | cumulative P(1..i accepted) | conditional P(i \\| < i) |", "|---|---|---|"]
@@ -200,6 +232,14 @@ def report_markdown(report: Mapping[str, Any], title: str = "Draft acceptance") 
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def compute_choice_of(source: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The compute a drafter's model ran in and why (``model.loader.resolve_compute``), from its source record: in
+    process, behind lookup, or the server's own (its /health)."""
+    if source.get("kind") == "hybrid":
+        return compute_choice_of(source.get("model") or {})
+    return source.get("compute_choice")
 
 
 def temperature_markdown(section: Mapping[str, Any] | None) -> list[str]:
@@ -278,6 +318,8 @@ def run_eval(config: EvalConfig) -> int:
                                           batch_size=(4 * config.concurrency if config.server
                                                       else config.batch_size),
                                           progress=True)
+            if drafter.backpressure is not None:
+                report["backpressure"] = drafter.backpressure
             if drafter.lookup_used is not None:  # counted by the greedy pass alone
                 report["hybrid"] = {"min_ngram": config.hybrid_min_ngram, "lookup_points": drafter.lookup_used,
                                     "model_points": drafter.model_used}

@@ -62,6 +62,7 @@ from specdraft.model.specs import (
     tokenizer_fingerprint,
 )
 from specdraft.model.targets import TargetModel, TorchTarget
+from specdraft.quant.compute_choice import COMPUTE_HELP, SPECULATE_WORKLOAD, ComputeSetting
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +132,9 @@ class SpeculateConfig(StageConfig):
     chat_template: bool = Field(True, description="wrap text prompts in the target's chat template "
                                                   "(add_generation_prompt)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="target dtype")
-    draft_compute: Literal["float32", "bfloat16", "int4"] = Field(
-        "int4", description="in-process draft's linear layers: int4 (the QD04 codes run by torch's CPU int4 "
-                            "kernel, as the server runs them: the fewest bytes per draft step), bfloat16 or "
-                            "float32 (the target always runs as loaded)")
+    draft_compute: ComputeSetting = Field(
+        "auto", description="in-process draft's linear layers: " + COMPUTE_HELP + " (the target always runs as "
+                            "loaded)")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
     device: str = Field("auto", description=f"the target's and the in-process drafts' {DEVICE_HELP}; int4 drafts "
                                             "off the CPU run in bfloat16")
@@ -351,7 +351,7 @@ def _in_process_draft(path: str, not_a_dir: str, config: SpeculateConfig, target
     if not draft_dir.is_dir():
         raise ValueError(not_a_dir)
     _check_tokenizer(draft_dir, target_tokenizer)
-    model, source = load_draft(draft_dir, config.draft_compute, device=config.device)
+    model, source = load_draft(draft_dir, config.draft_compute, device=config.device, workload=SPECULATE_WORKLOAD)
     return model, {"kind": "in-process", **source}
 
 
@@ -363,6 +363,15 @@ def _kept_cache(config: SpeculateConfig, model, source: dict, name: str, lean: b
     return (name, CachedDraftModel(model, name, lean=lean, min_confidence=conf, compile=compile, stop=stop),
             {**source, "draft_cache": "keep", "lean": lean, "compile": compile, "stop": stop,
              "min_confidence": conf})
+
+
+def _draft_compute_text(report: dict[str, Any]) -> str:
+    """What the in-process drafts computed in and why (``auto``: measured at load), from their source records."""
+    cfg = report["config"]
+    choices = [source.get("compute_choice") for source in (report.get("drafter_sources") or {}).values()
+               if source.get("kind") == "in-process"]
+    said = sorted({f"{c['compute']} ({c['reason']})" for c in choices if c})
+    return "; ".join(said) if said else str(cfg["draft_compute"])
 
 
 def _stop_rule_text(cfg: dict[str, Any]) -> str:
@@ -400,7 +409,8 @@ def speculate_markdown(report: dict[str, Any]) -> str:
                   f"top-k {sampling['top_k']}, batch 1)", "",
                   f"Target `{cfg['target']}`, draft `{cfg['draft']}`, {report['prompts']} prompts, "
                   f"max {cfg['max_new_tokens']} new tokens, target dtype {cfg['dtype']}, "
-                  f"draft compute {cfg['draft_compute']}, torch threads {report['threads']}; seed {sampling['seed']}. "
+                  f"draft compute {_draft_compute_text(report)}, torch threads {report['threads']}; "
+                  f"seed {sampling['seed']}. "
                   "Every drafter's tokens are drawn from its own distribution under the same settings as the "
                   "target's; each is kept with probability min(1, p/q), a refused one replaced from "
                   "max(0, p - q): the output is distributed as plain sampling from the target.", "",
@@ -410,7 +420,7 @@ def speculate_markdown(report: dict[str, Any]) -> str:
         header = ["# Speculative decoding (greedy, lossless, batch 1)", "",
                   f"Target `{cfg['target']}`, draft `{cfg['draft']}`, {report['prompts']} prompts, "
                   f"max {cfg['max_new_tokens']} new tokens, target dtype {cfg['dtype']}, "
-                  f"draft compute {cfg['draft_compute']}, torch threads {report['threads']}"
+                  f"draft compute {_draft_compute_text(report)}, torch threads {report['threads']}"
                   + _stop_rule_text(cfg)
                   + ("; its decode steps compiled (torch.compile)" if cfg.get("draft_compile", "off") != "off"
                      and cfg.get("draft_lean") != "off" else "") + ".", "",
@@ -619,6 +629,7 @@ def run_speculate(config: SpeculateConfig) -> int:
         threads = _llama_threads(config) if config.engine == "llama.cpp" else torch.get_num_threads()
         report: dict[str, Any] = {"config": config.to_json_dict(), "note": config.note, "prompts": len(prompts),
                                   "threads": threads, "target": target_source, **result,
+                                  "drafter_sources": {name: source for name, _, source in drafters},
                                   "compile_errors": _compile_errors(drafters)}
         if config.engine == "llama.cpp":
             report["llama_cpp_python"] = llama_cpp_version()
