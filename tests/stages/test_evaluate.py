@@ -344,7 +344,9 @@ def test_run_eval_hybrid_over_http_sends_only_what_lookup_cannot_answer(fake_ser
     assert "--pack-dir" in (out / "report.md").read_text()
 
 
-def test_run_eval_server_at_temperature_uses_the_served_pack_in_process(fake_server, tiny_qwen3_dir, tmp_path):
+@pytest.mark.parametrize("hybrid", [None, 2])
+def test_run_eval_server_at_temperature_uses_the_served_pack_in_process(fake_server, tiny_qwen3_dir, tmp_path,
+                                                                        hybrid):
     """--server with --pack-dir: greedy figures from the server, the distributions at temperature from the pack
     loaded here (and the report says so); the same figures as --model-dir on that pack computes."""
     target = _load(tiny_qwen3_dir)
@@ -354,7 +356,8 @@ def test_run_eval_server_at_temperature_uses_the_served_pack_in_process(fake_ser
         ctx = [rng.randrange(3, 300) for _ in range(5 + i)]
         points.append(ValidationPoint(f"p{i}", "x", 0, ctx, naive_greedy(target, ctx, 16, stop_at_eos=False).tokens))
     v = _write_validation(tmp_path / "validation.jsonl", points)
-    common = dict(validation=v, target=str(tiny_qwen3_dir), temperatures=[0.7], plots=False)
+    common = dict(validation=v, target=str(tiny_qwen3_dir), temperatures=[0.7], plots=False, compute="float32",
+                  hybrid_min_ngram=hybrid)
     assert run_eval(EvalConfig(server=fake_server, pack_dir=tiny_qwen3_dir, out=tmp_path / "s", **common)) == 0
     assert run_eval(EvalConfig(model_dir=tiny_qwen3_dir, out=tmp_path / "m", **common)) == 0
     served, local = (json.loads((tmp_path / d / "report.json").read_text())["acceptance_at_temperature"]

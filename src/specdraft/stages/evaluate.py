@@ -166,8 +166,7 @@ def acceptance_at_temperature(config: EvalConfig, drafter: Drafter, source: dict
         in_process.name = drafter.name
         source = {**source, "served_by": config.server,
                   "note": f"the draft's distributions come from the pack the server serves ({config.pack_dir}), "
-                          f"loaded in process with compute {source['compute']} (prefill "
-                          f"{source['compute_summary']['prefill']})"}
+                          f"loaded in process with compute {_compute_words(compute_choice_of(source))}"}
     target = None
     if any(t > 0 for t in temperatures):
         target = load_model(config.target, dtype=torch.float32, device=resolve_device(config.device))
@@ -232,6 +231,12 @@ def report_markdown(report: Mapping[str, Any], title: str = "Draft acceptance") 
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def _compute_words(choice: Mapping[str, Any] | None) -> str:
+    if not choice:
+        return "unknown"
+    return choice["compute"] + (f" (prefill {choice['prefill']})" if choice["compute"] == "int4" else "")
 
 
 def compute_choice_of(source: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -28,6 +28,7 @@ from specdraft.core.config import StageConfig
 from specdraft.core.io import atomic_write_json, atomic_write_text, read_json
 from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.data.corpus import heldout_path
+from specdraft.demo.plan import plan
 from specdraft.drafting.acceptance import temperature_key
 from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM
 from specdraft.drafting.prediction import TargetCosts, ceiling
@@ -48,7 +49,7 @@ from specdraft.stages.train import TrainConfig, run_train
 log = logging.getLogger(__name__)
 
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 BENCHMARKS = REPO_ROOT / "BENCHMARKS.md"
 
@@ -174,6 +175,11 @@ def _stage(run_dir: Path, name: str, fingerprint: dict[str, Any], fn: Callable[[
     return result
 
 
+# the stages in the order the pipeline runs them (their markers' names)
+STAGES = ["prompts", "traces", "validation", "train", "init", "pack", "export", "pack_self", "eval_init",
+          "eval_lookup", "eval_self", "eval_trained", "speculate", "speculate_llama_cpp"]
+
+
 def _default_manifest() -> str | None:
     shared = REPO_ROOT / "configs" / "manifest.shared.json"
     return str(shared) if SHARED_DATA.is_dir() and shared.is_file() else None
@@ -200,7 +206,13 @@ def run_demo(cfg: DemoConfig, budget: Budget | None = None, budget_name: str | N
         models = check_pipeline_models(cfg.target, init_spec)
         for note in models.notes:
             log.info("demo: %s", note)
+        done = {m.stem for m in (run_dir / ".stages").glob("*.json")}
+        expected = plan(budget, [s for s in STAGES if s not in done], cfg.threads)
+        for line in expected.lines():
+            log.info("demo: %s", line)
         summary = _pipeline(cfg, budget, run_dir, init_spec, frozen, models)
+        summary["plan"] = expected.to_json()
+        summary["stage_seconds"] = {m.stem: read_json(m).get("seconds") for m in (run_dir / ".stages").glob("*.json")}
         summary["budget"] = budget_name or cfg.budget
         summary["wall_seconds"] = round(time.time() - started, 1)
         # a marker older than this invocation is a stage an earlier one finished (and this one skipped); whole
@@ -798,7 +810,27 @@ def summary_markdown(summary: dict) -> str:
               f"{_describe_export(summary.get('export'))}"
               f"Selfcheck exit {summary['selfcheck_exit']}, audit exit {summary['audit_exit']}. "
               f"Wall time: {_fmt_seconds(summary.get('wall_seconds'))}{_describe_earlier(summary)}."]
+    lines += _stage_times(summary)
     return "\n".join(lines) + "\n"
+
+
+def _stage_times(summary: dict) -> list[str]:
+    """Each stage's seconds beside what the machine probe expected of it before the run (``demo.plan``)."""
+    took, expected_plan = summary.get("stage_seconds") or {}, summary.get("plan") or {}
+    expected = expected_plan.get("expected_seconds") or {}
+    if not took:
+        return []
+    speed = expected_plan.get("speed_vs_reference")
+    lines = ["", "## Where the time went", "",
+             (f"Expected from a probe of this machine before the first stage (it ran the probe {speed:.2f}x as fast "
+              f"as the reference, {expected_plan.get('reference_machine')}; `demo/plan.py`):" if speed else
+              "No reference run to expect from."), "",
+             "| stage | expected | took |", "|---|---:|---:|"]
+    for stage in STAGES:
+        if stage in took:
+            lines.append(f"| {stage} | {_fmt_seconds(expected[stage]) if stage in expected else '-'} | "
+                         f"{_fmt_seconds(took[stage])} |")
+    return lines
 
 
 def _describe_export(export: dict | None) -> str:
