@@ -33,8 +33,15 @@ install-llama: $(LLAMA)
 demo: $(STAMP)
 	$(BIN)/specdraft demo --out runs/demo --budget $(BUDGET)
 
+# the server, evaluation and compute-choice tests again under the AVX2 emulation: torch, oneDNN and MKL told to use
+# AVX2 kernels, as on an AVX2-only CPU, wherever CI runs
+AVX2_EMULATION := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+AVX2_TESTS := tests/server tests/stages/test_evaluate.py tests/drafting/test_remote_backpressure.py \
+              tests/quant/test_compute_choice.py tests/quant/test_linear.py
+
 test: $(LLAMA)
 	$(BIN)/python -m pytest -q --timeout=900
+	$(AVX2_EMULATION) $(BIN)/python -m pytest -q --timeout=900 -p no:cacheprovider $(AVX2_TESTS)
 
 test-fast: $(LLAMA)
 	$(BIN)/python -m pytest -q -m "not slow"

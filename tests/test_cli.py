@@ -96,3 +96,19 @@ def test_log_level_sets_the_console_and_quiets_per_request_client_lines(tmp_path
     assert "points from" in (tmp_path / "o2" / "eval.log").read_text()
     assert main(["models", "show", str(tiny_qwen3_dir)]) == 0  # the default again
     assert console.level == logging.INFO and logging.getLogger("httpx").level == logging.WARNING
+
+
+def test_the_avx2_emulation_reaches_torch_and_the_machine_record():
+    """`make test` runs the server and eval tests under these variables: they must make torch pick AVX2 kernels
+    and the machine record say so, on any CPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from specdraft.core.machine import AVX2_EMULATION
+    code = ("import json, torch; from specdraft.core.machine import machine; m = machine(); "
+            "print(json.dumps([torch.backends.cpu.get_cpu_capability(), m['cpu_class'], m['avx2_emulation']]))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **AVX2_EMULATION}, capture_output=True,
+                         text=True, check=True).stdout
+    assert json.loads(out) == ["AVX2", "avx2", True]

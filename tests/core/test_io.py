@@ -378,3 +378,38 @@ def test_unreadable_safetensors_headers_are_named(tmp_path, content, says):
     assert str(e.value).startswith(f"{p}: {says}")
     problem = safetensors_problem(p)
     assert problem.startswith(says) and str(p) not in problem  # the caller names the file
+
+
+def test_atomic_file_and_dir_appear_whole_or_not_at_all(tmp_path):
+    import os
+
+    import pytest
+
+    from specdraft.core.io import atomic_dir, atomic_file
+    out = tmp_path / "a" / "f.bin"
+    with atomic_file(out) as tmp:
+        tmp.write_bytes(b"one")
+        assert not out.exists() and tmp.parent == out.parent
+    assert out.read_bytes() == b"one" and oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    with pytest.raises(RuntimeError):
+        with atomic_file(out) as tmp:
+            tmp.write_bytes(b"two")
+            raise RuntimeError("killed half way")
+    assert out.read_bytes() == b"one" and sorted(os.listdir(out.parent)) == ["f.bin"]
+    d = tmp_path / "d"
+    for content in ("old", "new"):
+        with atomic_dir(d) as tmp:
+            (tmp / "x").write_text(content)
+    assert (d / "x").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["a", "d"]
+    with pytest.raises(RuntimeError):
+        with atomic_dir(d) as tmp:
+            (tmp / "x").write_text("torn")
+            raise RuntimeError("killed")
+    assert (d / "x").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["a", "d"]
+
+
+def _umask() -> int:
+    import os
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
