@@ -20,7 +20,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from specdraft.model.chat import has_chat_template
 from specdraft.model.export import GGUF_ARCHS
 from specdraft.model.lean import lean_unsupported
-from specdraft.model.specs import resolve_model, tokenizer_fingerprint, tokenizer_from_dir
+from specdraft.model.specs import resolve_model, text_config, tokenizer_fingerprint, tokenizer_from_dir
 from specdraft.model.truncate import parse_truncate_spec
 from specdraft.quant.qd4 import meta_model
 
@@ -55,7 +55,7 @@ def check_pipeline_models(target: str | os.PathLike, draft_init: str | None = No
     problems: list[str] = []
     config = AutoConfig.from_pretrained(path)
     model_type = config.model_type
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     if getattr(config, "is_encoder_decoder", False):
         problems.append(f"{target}: an encoder-decoder model ({model_type}); specdraft drafts for decoder-only "
                         "causal LMs")
@@ -95,7 +95,7 @@ def check_pipeline_models(target: str | os.PathLike, draft_init: str | None = No
 def _draft_problems(draft_init: str, target_tokenizer, target: str | os.PathLike) -> list[str]:
     path = resolve_model(draft_init)
     config = AutoConfig.from_pretrained(path)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     problems = []
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         problems.append(f"draft start {draft_init}: model type {config.model_type!r} is not a causal LM that "

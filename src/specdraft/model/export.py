@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from specdraft.core.io import atomic_write_json, read_json
 from specdraft.model.loader import TOKENIZER_FILES, packed_weight_file
-from specdraft.model.specs import load_config, tokenizer_from_dir, weight_file_problems, weight_files
+from specdraft.model.specs import load_config, text_config, tokenizer_from_dir, weight_file_problems, weight_files
 from specdraft.quant import q4g, qd4
 from specdraft.quant.gguf import maps_to_q4_1, permute_rows, q4_1_blocks
 from specdraft.quant.q4g import QuantizedTensor
@@ -124,10 +124,6 @@ def _shape(t: QuantizedTensor | torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
 
@@ -208,7 +204,7 @@ def gguf_tensors(src: DraftSource, dtype: str = "auto") -> list[GgufTensor]:
     arch = src.config.model_type
     if arch not in GGUF_ARCHS:
         raise ValueError(f"{src.model_dir}: a {arch!r} model; the GGUF export writes {', '.join(GGUF_ARCHS)}")
-    text = _text_config(src.config)
+    text = text_config(src.config)
     names = gguf.get_tensor_name_map(GGUF_ARCHS[arch], text.num_hidden_layers)
     out = []
     for name, value in src.tensors.items():
@@ -262,7 +258,7 @@ def _rope(text) -> tuple[float | None, str | None]:
 def _model_metadata(w: gguf.GGUFWriter, src: DraftSource, name: str, file_type: int) -> None:
     """The hyperparameters convert_hf_to_gguf writes for a llama / qwen3 model (TextModel.set_gguf_parameters,
     LlamaModel.set_gguf_parameters)."""
-    text = _text_config(src.config)
+    text = text_config(src.config)
     theta, rope_type = _rope(text)
     if rope_type not in (None, "default"):
         raise ValueError(f"{src.model_dir}: rope type {rope_type!r} is not exported (llama.cpp needs its own "
@@ -303,7 +299,7 @@ def tokenizer_pre(tokenizer, tokenizer_json: dict) -> tuple[str | None, str]:
 def _tokenizer_metadata(w: gguf.GGUFWriter, src: DraftSource, pre: str | None) -> dict[str, Any]:
     """tokenizer.ggml.* and the chat template, as convert_hf_to_gguf writes a GPT-2-style BPE tokenizer
     (``get_vocab_base``, ``_set_vocab_gpt2``, gguf-py's ``SpecialVocab``)."""
-    model_dir, text = src.model_dir, _text_config(src.config)
+    model_dir, text = src.model_dir, text_config(src.config)
     tj_path = model_dir / "tokenizer.json"
     tj = json.loads(tj_path.read_text(encoding="utf-8")) if tj_path.is_file() else {}
     model = tj.get("model") or {}

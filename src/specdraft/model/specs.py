@@ -294,29 +294,40 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
-def model_summary(spec: str | os.PathLike) -> dict[str, Any]:
-    """Architecture facts from config.json (no weights loaded) plus the parameter count from the header."""
-    path = resolve_model(spec)
-    config = AutoConfig.from_pretrained(path)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    has_template = _has_chat_template(path)
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The decoder's own config: a multimodal config's text part, any other config itself."""
+    return config.get_text_config()
+
+
+def architecture_facts(config: PretrainedConfig) -> dict[str, Any]:
+    """What every record says of a decoder's shape, from its config alone: the one place its optional fields
+    (kv heads, head dim, intermediate size, positions) get their defaults."""
+    text = text_config(config)
+    heads = text.num_attention_heads
     return {
-        "spec": str(spec),
-        "path": str(path),
         "architecture": (config.architectures or [type(config).__name__])[0],
         "model_type": config.model_type,
         "layers": text.num_hidden_layers,
         "hidden": text.hidden_size,
-        "heads": text.num_attention_heads,
-        "kv_heads": getattr(text, "num_key_value_heads", text.num_attention_heads),
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        "heads": heads,
+        "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
         "intermediate": getattr(text, "intermediate_size", None),
         "vocab": text.vocab_size,
-        "parameters": count_parameters(path),
         "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         "max_positions": getattr(text, "max_position_embeddings", None),
-        "chat_template": has_template,
     }
+
+
+def model_summary(spec: str | os.PathLike) -> dict[str, Any]:
+    """Architecture facts from config.json (no weights loaded) plus the parameter count from the header."""
+    path = resolve_model(spec)
+    facts = architecture_facts(AutoConfig.from_pretrained(path))
+    summary = {"spec": str(spec), "path": str(path), **facts, "parameters": count_parameters(path),
+               "chat_template": _has_chat_template(path)}
+    order = ["spec", "path", "architecture", "model_type", "layers", "hidden", "heads", "kv_heads", "head_dim",
+             "intermediate", "vocab", "parameters", "tied_embeddings", "max_positions", "chat_template"]
+    return {key: summary[key] for key in order}
 
 
 def count_parameters(model_dir: Path) -> int | None:

@@ -27,7 +27,7 @@ from specdraft.core.io import atomic_write_json, make_shareable_dir, read_json, 
 from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.model.export import ASSISTED_GENERATION, GENERATION_CONFIG, draft_generation_config
 from specdraft.model.loader import ARCHITECTURE_FILE, RECIPE_FILE, TOKENIZER_FILES, WEIGHT_FILE
-from specdraft.model.specs import load_config, resolve_model, weights_sha256
+from specdraft.model.specs import architecture_facts, load_config, resolve_model, weights_sha256
 from specdraft.quant import q4g, qd4
 from specdraft.quant.gptq import DEFAULT_GPTQ_ACT_ORDER, DEFAULT_GPTQ_DAMP, calibration_sequences, gptq_calibrate
 
@@ -237,20 +237,11 @@ def _copy_side_files(src: Path, out: Path, model) -> dict[str, Any]:
 
 
 def _architecture(model, tensors: dict[str, torch.Tensor], nbytes: int, sha: str, header: qd4.QD4Header):
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
+    facts = {**architecture_facts(model.config),
+             "architecture": (model.config.architectures or [type(model).__name__])[0]}  # the built class's name
     return {
-        "model_type": config.model_type,
-        "architecture": (config.architectures or [type(model).__name__])[0],
-        "layers": text.num_hidden_layers,
-        "hidden": text.hidden_size,
-        "heads": heads,
-        "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-        "intermediate": getattr(text, "intermediate_size", None),
-        "vocab": text.vocab_size,
-        "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        **{key: facts[key] for key in ("model_type", "architecture", "layers", "hidden", "heads", "kv_heads",
+                                       "head_dim", "intermediate", "vocab", "tied_embeddings")},
         "parameters": sum(t.numel() for t in tensors.values()),
         "tensors": len(tensors),
         "weight_file": WEIGHT_FILE,
