@@ -6,23 +6,20 @@ long lane) get the draft it gets prefilled whole?
 Contexts are real text: prompts of the packaged corpus, chat-formatted and joined until each reaches a length
 drawn from [--min-tokens, --max-tokens]. For every context and chunk size the 16 draft tokens are compared with the
 whole prefill's; where they differ, the report gives the first differing position and the whole prefill's margin
-between its top two logits there (a near-tie that another matrix shape rounds the other way, or not).
+between its top two logits there (a near-tie that another matrix shape rounds the other way, or not). The result
+goes to ``bench/results/chunked_prefill.<cpu class>.json`` and to --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
-import statistics
-import time
-from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
-from specdraft.core.provenance import run_metadata
+from harness import add_out_argument, argument_parser, log_to_console, median, save_result, stopwatch
 from specdraft.data.corpus import corpus_dir
 from specdraft.model.chat import encode_prompts
 from specdraft.server.engine import load_engine
@@ -73,7 +70,7 @@ def top2_margin(model, ids: list[int]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--contexts", type=int, default=60)
     ap.add_argument("--min-tokens", type=int, default=513, help="the server's long lane starts above 512 tokens")
@@ -83,45 +80,41 @@ def main() -> None:
     ap.add_argument("--compute", default="int4")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True)
+    add_out_argument(ap)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_to_console()
     torch.set_num_threads(args.threads)
 
     engine = load_engine(args.model_dir, None, args.compute)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     contexts = long_contexts(tokenizer, args.contexts, args.min_tokens, args.max_tokens, args.seed)
     per_chunk = {c: {"identical": 0, "differences": []} for c in args.chunks}
-    started = time.time()
-    for i, ctx in enumerate(contexts):
-        whole = whole_draft(engine, ctx, args.num_draft)
-        for c in args.chunks:
-            got = chunked_draft(engine, ctx, c, args.num_draft)
-            if got == whole:
-                per_chunk[c]["identical"] += 1
-                continue
-            at = next(j for j, (a, b) in enumerate(zip(got, whole)) if a != b)
-            per_chunk[c]["differences"].append({"context": i, "tokens": len(ctx), "first_difference": at,
-                                                "whole_top2_margin": top2_margin(engine.model, ctx + whole[:at])})
-        log.info("%d/%d (%d tokens): %s", i + 1, len(contexts), len(ctx),
-                 {c: v["identical"] for c, v in per_chunk.items()})
+    with stopwatch() as lap:
+        for i, ctx in enumerate(contexts):
+            whole = whole_draft(engine, ctx, args.num_draft)
+            for c in args.chunks:
+                got = chunked_draft(engine, ctx, c, args.num_draft)
+                if got == whole:
+                    per_chunk[c]["identical"] += 1
+                    continue
+                at = next(j for j, (a, b) in enumerate(zip(got, whole)) if a != b)
+                per_chunk[c]["differences"].append({"context": i, "tokens": len(ctx), "first_difference": at,
+                                                    "whole_top2_margin": top2_margin(engine.model, ctx + whole[:at])})
+            log.info("%d/%d (%d tokens): %s", i + 1, len(contexts), len(ctx),
+                     {c: v["identical"] for c, v in per_chunk.items()})
     report = {
-        "command": "python bench/bench_chunked_prefill.py " + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items()),
         "contexts": len(contexts),
-        "context_tokens": {"min": min(map(len, contexts)), "median": statistics.median(map(len, contexts)),
+        "context_tokens": {"min": min(map(len, contexts)), "median": median(list(map(len, contexts))),
                            "max": max(map(len, contexts))},
         "per_chunk": {str(c): {"identical": v["identical"], "of": len(contexts),
                                "differences": v["differences"]} for c, v in per_chunk.items()},
-        "seconds": round(time.time() - started, 1),
-        **run_metadata(),
+        "seconds": round(lap.wall, 1),
     }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    save_result("chunked_prefill", report, args.out)
     for c, v in report["per_chunk"].items():
         margins = [d["whole_top2_margin"] for d in v["differences"]]
         print(f"chunk {c}: {v['identical']}/{v['of']} identical"
-              + (f"; differing drafts: top-2 margin at the first difference median {statistics.median(margins):.3f}"
+              + (f"; differing drafts: top-2 margin at the first difference median {median(margins):.3f}"
                  f", max {max(margins):.3f}" if margins else ""))
 
 

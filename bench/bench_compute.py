@@ -12,7 +12,6 @@ goes to ``bench/results/compute.<cpu class>.json``; BENCHMARKS.md's table per CP
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
@@ -22,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from harness import machine_record, median, timed, write_result
+from harness import argument_parser, log_to_console, machine_record, median, timed, write_result
 from specdraft.server.process import ServerProcess
 
 log = logging.getLogger("specdraft.bench")
@@ -81,14 +80,14 @@ def served(model_dir: Path, flags: list[str], ctx: dict[int, list[int]], repeats
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argument_parser(__doc__)
     ap.add_argument("--model-dir", type=Path, default=Path("runs/demo/model"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("runs/bench_compute"))
     ap.add_argument("--serve-args", default="--threads 1", help="more `specdraft serve` flags for every server")
     ap.add_argument("--only", nargs="*", help="these formats only (names as in the table)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_to_console()
     args.work.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
     ctx = contexts(vocab)

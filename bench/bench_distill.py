@@ -4,21 +4,21 @@ tokens), side by side on one machine (issue 33, items 1-2).
 From a demo run dir (its prompts and validation points, `specdraft demo`), for each variant: the traces (the
 same prompts; with ``--top-logprobs K`` for the distilling variants), training from the same init with the demo
 budget's recipe, the pack, and acceptance of the packed draft on the run's validation points (in process, int4,
-as the server computes). Reports each stage's wall time, the traces' bytes, and acceptance.
+as the server computes). Reports each stage's wall time, the traces' bytes, and acceptance, after every variant, to
+``bench/results/distill.<cpu class>.json`` and --out.
 
-    python bench/bench_distill.py --run-dir runs/demo --out bench/out/distill.json --budget small \
+    .venv/bin/python bench/bench_distill.py --run-dir runs/demo --out bench/out/distill.json --budget small \
         --variants ce kd16 --kd-weight 0.5
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
-from specdraft.core.io import atomic_write_json, read_json
+from harness import add_out_argument, argument_parser, save_result, stopwatch
+from specdraft.core.io import read_json
 from specdraft.demo import BUDGETS, DemoConfig, draft_start
 from specdraft.stages.evaluate import EvalConfig, run_eval
 from specdraft.stages.label import LabelConfig, run_label
@@ -81,7 +81,6 @@ def run_variant(name: str, args, work: Path) -> dict[str, Any]:
                      "tokens_per_s": summary["this_run"].get("completion_tokens_per_s")}
     labels = work / "labels_on_policy" / "labels.jsonl"
     if on_policy:
-        t = time.time()
         if not labels.is_file():
             run_label(LabelConfig(prompts=str(args.run_dir / "prompts" / "prompts.jsonl"), out=str(labels),
                                   answers_from=str(args.run_dir / "init"), max_new_tokens=trace_tokens,
@@ -90,30 +89,31 @@ def run_variant(name: str, args, work: Path) -> dict[str, Any]:
                          "bytes": labels.stat().st_size}
     pack_cfg = PackConfig(checkpoint=str(work / run_name / "draft"), out=str(work / run_name / "model"),
                           overwrite=True)
-    t = time.time()
     recipe = {"epochs": args.epochs or budget.epochs, "lr": budget.lr, "freeze_layers": frozen}
     recipe |= recipe_overrides(args.set)
     out["recipe"] = recipe
-    meta = run_train(TrainConfig(traces=str(traces), init=init, out=str(work / run_name / "draft"),
-                                 threads=args.threads, kd_stored=kd, kd_weight=args.kd_weight, seed=args.seed,
-                                 labels=str(labels) if on_policy else None,
-                                 qat_group_size=pack_cfg.group_size if budget.qat else None, **recipe))
-    out["train"] = {"seconds": round(time.time() - t, 1), "steps": meta.get("steps"), "best": meta.get("best")}
+    with stopwatch() as training:
+        meta = run_train(TrainConfig(traces=str(traces), init=init, out=str(work / run_name / "draft"),
+                                     threads=args.threads, kd_stored=kd, kd_weight=args.kd_weight, seed=args.seed,
+                                     labels=str(labels) if on_policy else None,
+                                     qat_group_size=pack_cfg.group_size if budget.qat else None, **recipe))
+    out["train"] = {"seconds": round(training.wall, 1), "steps": meta.get("steps"), "best": meta.get("best")}
     run_pack(pack_cfg)
-    t = time.time()
-    run_eval(EvalConfig(validation=args.run_dir / "validation" / "validation.jsonl", model_dir=Path(pack_cfg.out),
-                        compute="int4", out=work / run_name / "eval", threads=args.threads))
+    with stopwatch() as evaluation:
+        run_eval(EvalConfig(validation=args.run_dir / "validation" / "validation.jsonl",
+                            model_dir=Path(pack_cfg.out), compute="int4", out=work / run_name / "eval",
+                            threads=args.threads))
     report = read_json(work / run_name / "eval" / "report.json")
     out["acceptance"] = {"pooled": report["mean_accepted_pooled"], "per_prompt": report["mean_accepted_per_prompt"],
                          "points": report["points"]}
-    out["eval_seconds"] = round(time.time() - t, 1)
+    out["eval_seconds"] = round(evaluation.wall, 1)
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--run-dir", type=Path, required=True, help="a `specdraft demo` run dir (prompts, validation)")
-    ap.add_argument("--out", type=Path, required=True)
+    add_out_argument(ap)
     ap.add_argument("--work-dir", type=Path, default=None, help="default: OUT without .json")
     ap.add_argument("--budget", default="small", choices=sorted(BUDGETS))
     ap.add_argument("--variants", nargs="+", default=["ce", "kd16"])
@@ -134,7 +134,7 @@ def main() -> None:
     results = {"config": {k: str(v) for k, v in vars(args).items()}, "variants": []}
     for name in args.variants:
         results["variants"].append(run_variant(name, args, work))
-        atomic_write_json(args.out, results)
+        save_result("distill", results, args.out)
         print(json.dumps(results["variants"][-1], indent=1, default=str))
 
 

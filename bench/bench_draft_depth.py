@@ -7,27 +7,26 @@ validation points (in process, int4, as the server computes), export it as GGUF;
 step relative to one target decode step, on a 96-token context:
 
 - specdraft's engine: the packed draft's eager lean step (int4) against the float32 target's step, both as
-  `specdraft speculate` runs them (``bench_speculate._time_forward``; CPU time, median of repeats);
+  `specdraft speculate` runs them (``harness.forward_seconds``; CPU time, median of repeats);
 - llama.cpp: one-token ``llama_decode`` of the draft's GGUF against the embedded target's GGUF (wall time, median).
 
-    python bench/bench_draft_depth.py --traces TRACES.jsonl --validation VALIDATION.jsonl --out depth.json \
+The result goes to ``bench/results/draft_depth.<cpu class>.json`` and to --out, after every depth.
+
+    .venv/bin/python bench/bench_draft_depth.py --traces TRACES.jsonl --validation VALIDATION.jsonl --out depth.json \
         --depth 12=0-7,26-29 --depth 16=0-11,26-29 --depth 24=0-15,22-29 --epochs 1 --threads 1
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench_speculate import _time_forward  # the same step timing as the cost model of bench_speculate
-from specdraft.core.io import atomic_write_json, read_json
+from harness import add_out_argument, argument_parser, forward_seconds, median, save_result, stopwatch, timed
+from specdraft.core.io import read_json
 from specdraft.demo import BUDGETS
 from specdraft.model.loader import load_draft
 from specdraft.model.specs import DEFAULT_TARGET, embedded_gguf_path, load_model
@@ -56,13 +55,8 @@ def llama_step_seconds(gguf: Path, threads: int, repeats: int) -> float:
     try:
         context = list(range(100, 100 + CONTEXT))
         model.decode(context, 0)
-        times = []
-        for i in range(repeats + 2):
-            t0 = time.perf_counter()
-            model.decode([5], CONTEXT)
-            if i >= 2:  # the first calls warm llama.cpp's buffers
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        # the first calls warm llama.cpp's buffers
+        return median(timed(lambda: model.decode([5], CONTEXT), repeats, warmup=2))
     finally:
         model.close()
 
@@ -73,13 +67,13 @@ def run_depth(name: str, layers: list[int], args, target) -> dict[str, Any]:
     init = f"truncate:{DEFAULT_TARGET}:{','.join(map(str, layers))}"
     out: dict[str, Any] = {"depth": len(layers), "layers": layers, "init": init, "frozen": len(layers) // 2}
     draft_dir = work / "draft"
-    t = time.time()
-    if not (draft_dir / "train_meta.json").is_file():
-        run_train(TrainConfig(traces=str(args.traces), init=init, out=str(draft_dir),
-                              epochs=args.epochs or budget.epochs, lr=budget.lr, freeze_layers=len(layers) // 2,
-                              threads=args.threads, seed=args.seed))
+    with stopwatch() as training:
+        if not (draft_dir / "train_meta.json").is_file():
+            run_train(TrainConfig(traces=str(args.traces), init=init, out=str(draft_dir),
+                                  epochs=args.epochs or budget.epochs, lr=budget.lr, freeze_layers=len(layers) // 2,
+                                  threads=args.threads, seed=args.seed))
     meta = read_json(draft_dir / "train_meta.json")
-    out["train"] = {"seconds": round(time.time() - t, 1), "steps": meta.get("steps"), "best": meta.get("best")}
+    out["train"] = {"seconds": round(training.wall, 1), "steps": meta.get("steps"), "best": meta.get("best")}
     pack = work / "model"
     run_pack(PackConfig(checkpoint=str(draft_dir), out=str(pack), overwrite=True))
     run_eval(EvalConfig(validation=args.validation, model_dir=pack, compute="int4", out=work / "eval",
@@ -93,21 +87,21 @@ def run_depth(name: str, layers: list[int], args, target) -> dict[str, Any]:
     # Side by side, alternated, so that a slow spell on a shared machine hits both
     engine, llama = [], []
     for _ in range(args.rounds):
-        engine.append(_time_forward(model, 1, CONTEXT, args.repeats, "cpu", "lean")
-                      / _time_forward(target, 1, CONTEXT, args.repeats, "cpu", "model"))
+        engine.append(forward_seconds(model, 1, CONTEXT, args.repeats, "cpu", "lean")
+                      / forward_seconds(target, 1, CONTEXT, args.repeats, "cpu", "model"))
         target_gguf = embedded_gguf_path(DEFAULT_TARGET.split(":")[-1])
         llama.append(llama_step_seconds(gguf, args.threads, args.repeats)
                      / llama_step_seconds(target_gguf, args.threads, args.repeats))
-    out["cost_vs_target"] = {"specdraft_int4_lean": statistics.median(engine), "llama_cpp": statistics.median(llama),
+    out["cost_vs_target"] = {"specdraft_int4_lean": median(engine), "llama_cpp": median(llama),
                              "rounds": args.rounds}
     return out
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--traces", type=Path, required=True)
     ap.add_argument("--validation", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    add_out_argument(ap)
     ap.add_argument("--work-dir", type=Path, default=None, help="default: OUT without .json")
     ap.add_argument("--depth", action="append", required=True, metavar="NAME=LAYERS", help="e.g. 12=0-7,26-29")
     ap.add_argument("--budget", default="default", choices=sorted(BUDGETS), help="the recipe (lr) to train with")
@@ -124,7 +118,7 @@ def main() -> int:
     for item in args.depth:
         name, _, spec = item.partition("=")
         results["depths"].append(run_depth(name, layer_ids(spec), args, target))
-        atomic_write_json(args.out, results)
+        save_result("draft_depth", results, args.out)
         print(json.dumps(results["depths"][-1], default=str))
     return 0
 

@@ -14,21 +14,20 @@ points. Rules: always k; "probability" (stop after a token with p < t, transform
 counted on the even points and scored on the odd ones, so it is judged on points it did not learn from.
 
 It is a model of a speculation step, not a speculation run (no Python overhead, EOS, prompt prefill): use it to
-compare rules, and ``bench/bench_speculate.py --draft-stop both`` to measure the chosen one.
+compare rules, and ``bench/bench_speculate.py --draft-stop both`` to measure the chosen one. The result goes to
+``bench/results/draft_stop.<cpu class>.json`` and to --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import add_out_argument, argument_parser, forward_seconds, save_result
 
 DRAFT_TOKENS = 16
 VERIFY_SIZES = list(range(1, DRAFT_TOKENS + 2))
@@ -92,7 +91,7 @@ def calibration(rows: list[dict]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argument_parser(__doc__)
     ap.add_argument("--draft", action="append", required=True, help="packed draft dir (repeatable)")
     ap.add_argument("--validation", type=Path, required=True, help="validation.jsonl (context_ids, target_ids)")
     ap.add_argument("--every", type=int, default=3, help="use every N-th point")
@@ -100,23 +99,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=200, help="cache length for the timings")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, required=True)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from bench_speculate import _time_forward
     from specdraft.model.loader import load_draft
     from specdraft.model.specs import DEFAULT_TARGET, load_model
 
     points = [json.loads(line) for line in args.validation.read_text().splitlines() if line.strip()][::args.every]
     target = load_model(args.target or DEFAULT_TARGET)
-    verify_ms = {n: 1e3 * _time_forward(target, n, args.context, args.repeats) for n in VERIFY_SIZES}
+    verify_ms = {n: 1e3 * forward_seconds(target, n, args.context, args.repeats) for n in VERIFY_SIZES}
     del target
     print("verify ms by tokens:", {n: round(v, 1) for n, v in verify_ms.items()})
-    report = {"command": " ".join(sys.argv), "points": len(points), "verify_ms": verify_ms, "drafts": {}}
+    report = {"points": len(points), "verify_ms": verify_ms, "drafts": {}}
     for draft_dir in args.draft:
         model, _ = load_draft(draft_dir, "int4")
-        step_ms = {forward: 1e3 * _time_forward(model, 1, args.context, 2 * args.repeats, forward=forward)
+        step_ms = {forward: 1e3 * forward_seconds(model, 1, args.context, 2 * args.repeats, forward=forward)
                    for forward in ("lean", "compiled")}
         del model
         rows = collect(draft_dir, points)
@@ -146,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'rule (compiled steps)':<22}" + "".join(f"{'k=' + str(k):>8}" for k in (2, 4, 8, 16)))
         for rule, per_k in table["compiled"].items():
             print(f"{rule:<22}" + "".join(f"{per_k[str(k)]['speedup']:>7.2f}x" for k in (2, 4, 8, 16)))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    save_result("draft_stop", report, args.out)
     return 0
 
 

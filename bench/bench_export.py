@@ -20,17 +20,17 @@
 4. HF (`specdraft export --format hf`, bf16): transformers' ``target.generate(assistant_model=draft)`` against
    the target's plain greedy on the points at offset 0 (the prompts); acceptance per step from transformers'
    own candidate generator.
+
+The result goes to ``bench/results/export.<cpu class>.json`` and to --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,12 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
-from specdraft.core.io import atomic_write_json
-from specdraft.core.provenance import run_metadata
+from harness import add_out_argument, argument_parser, command, save_result, stopwatch
 from specdraft.core.records import load_validation
 from specdraft.drafting.llamacpp import LlamaCppDrafter, LlamaCppNgramDrafter
 from specdraft.drafting.speculative import speculative_generate
-from specdraft.model.decode import cache_kwargs, draft_batch
+from specdraft.model.decode import draft_batch
+from specdraft.model.forward import cache_kwargs
 from specdraft.model.llamacpp import (
     INSTALL_HINT,
     LlamaCppTarget,
@@ -105,20 +105,20 @@ def differences(model, contexts, ours, theirs, limit: int = 20) -> list[dict[str
 # ------------------------------------------------------------------------------------------------ GGUF
 
 def bench_gguf(model_dir: Path, work: Path, contexts: list[list[int]], packed, ours) -> dict[str, Any]:
-    t = time.time()
-    res = run_export(ExportConfig(model_dir=str(model_dir), format="gguf", out=str(work / "draft.gguf"),
-                                  overwrite=True))
+    with stopwatch() as export:
+        res = run_export(ExportConfig(model_dir=str(model_dir), format="gguf", out=str(work / "draft.gguf"),
+                                      overwrite=True))
     record = json.loads(res.record.read_text())
-    out: dict[str, Any] = {"export_seconds": round(time.time() - t, 2), "bytes": record["output"]["bytes"],
+    out: dict[str, Any] = {"export_seconds": round(export.wall, 2), "bytes": record["output"]["bytes"],
                            "qd4_bytes": record["source"]["weight_files"][0]["bytes"],
                            "tensor_types": record["tensor_types"], "all_exact": record["exact"],
                            "not_exact": record["not_exact"], "tokenizer": record["tokenizer"]}
     theirs = AutoModelForCausalLM.from_pretrained(work, gguf_file="draft.gguf", dtype=torch.float32).eval()
     a, b = theirs.state_dict(), packed.state_dict()
     out["transformers_weights_bit_equal"] = f"{sum(torch.equal(a[k], b[k]) for k in b if k in a)} of {len(b)}"
-    t = time.time()
-    drafts = [hf_greedy(theirs, c, K) for c in contexts]
-    out["transformers_draft_seconds"] = round(time.time() - t, 1)
+    with stopwatch() as drafting:
+        drafts = [hf_greedy(theirs, c, K) for c in contexts]
+    out["transformers_draft_seconds"] = round(drafting.wall, 1)
     out["transformers_vs_packed"] = agreement(ours, drafts)
     out["transformers_differences"] = differences(packed, contexts, ours, drafts)
     return out
@@ -132,9 +132,9 @@ def bench_llama_cpp(work: Path, contexts, ours, prompts, threads: int, spec_toke
     out: dict[str, Any] = {"llama_cpp_python": llama_cpp_version()}
     n_ctx = max(map(len, contexts)) + K + spec_tokens + 64
     drafter = LlamaCppDrafter(work / "draft.gguf", n_ctx, threads)
-    t = time.time()
-    drafts = [drafter.draft_one(list(c), K) for c in contexts]
-    out["draft_seconds"] = round(time.time() - t, 1)
+    with stopwatch() as drafting:
+        drafts = [drafter.draft_one(list(c), K) for c in contexts]
+    out["draft_seconds"] = round(drafting.wall, 1)
     out["llama_cpp_vs_packed"] = agreement(ours, drafts)
     target_gguf = embedded_gguf_path(DEFAULT_TARGET.removeprefix("embedded:"))
     out["vocab_check_against_target_gguf"] = {"target": target_gguf.name, **vocab_compatible(target_gguf,
@@ -143,12 +143,12 @@ def bench_llama_cpp(work: Path, contexts, ours, prompts, threads: int, spec_toke
     target = LlamaCppTarget(target_gguf, n_ctx=n_ctx, threads=threads)
     same, accepted, plain_s, spec_s, mismatches = 0, [], 0.0, 0.0, []
     for p, ids in enumerate(prompts):
-        t = time.time()
-        plain = target.greedy(ids, spec_tokens).tokens
-        plain_s += time.time() - t
-        t = time.time()
-        gen = speculative_generate(target, drafter, ids, spec_tokens, k)
-        spec_s += time.time() - t
+        with stopwatch() as plain_lap:
+            plain = target.greedy(ids, spec_tokens).tokens
+        with stopwatch() as spec_lap:
+            gen = speculative_generate(target, drafter, ids, spec_tokens, k)
+        plain_s += plain_lap.wall
+        spec_s += spec_lap.wall
         same += gen.tokens == plain
         accepted += gen.accepted_per_step
         if gen.tokens != plain:
@@ -205,13 +205,13 @@ def bench_hf(model_dir: Path, work: Path, prompts, new_tokens: int) -> dict[str,
     try:
         for p, ids in enumerate(prompts):
             x = torch.tensor([ids])
-            t = time.time()
-            plain = target.generate(x, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad)[0].tolist()
-            plain_s += time.time() - t
-            t = time.time()
-            assisted = target.generate(x, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad,
-                                       assistant_model=draft)[0].tolist()
-            assisted_s += time.time() - t
+            with stopwatch() as plain_lap:
+                plain = target.generate(x, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad)[0].tolist()
+            with stopwatch() as assisted_lap:
+                assisted = target.generate(x, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad,
+                                           assistant_model=draft)[0].tolist()
+            plain_s += plain_lap.wall
+            assisted_s += assisted_lap.wall
             if assisted == plain:
                 same += 1
                 continue
@@ -246,10 +246,10 @@ def run(args) -> dict[str, Any]:
     contexts = [p.context_ids for p in points]
     prompts = [p.context_ids for p in points if p.offset == 0][:args.prompts]
     packed, _ = load_draft(model_dir, "float32")
-    t = time.time()
-    ours = [d for i in range(0, len(contexts), 32) for d in draft_batch(packed, contexts[i:i + 32], K)]
+    with stopwatch() as drafting:
+        ours = [d for i in range(0, len(contexts), 32) for d in draft_batch(packed, contexts[i:i + 32], K)]
     report: dict[str, Any] = {"model_dir": str(model_dir), "validation": str(validation), "points": len(points),
-                              "packed_draft_seconds": round(time.time() - t, 1)}
+                              "packed_draft_seconds": round(drafting.wall, 1)}
     report["gguf"] = bench_gguf(model_dir, work, contexts, packed, ours)
     print(json.dumps(report["gguf"], indent=1)[:3000], flush=True)
     if not args.skip_llama_cpp:
@@ -257,12 +257,12 @@ def run(args) -> dict[str, Any]:
         print(json.dumps(report["llama_cpp"], indent=1), flush=True)
     report["hf"] = bench_hf(model_dir, work, prompts, args.new_tokens)
     print(json.dumps(report["hf"], indent=1), flush=True)
-    return {**report, **run_metadata()}
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="JSON results file")
+    parser = argument_parser(__doc__)
+    add_out_argument(parser)
     parser.add_argument("--model-dir", default=None, help="packed draft dir (default: the embedded target packed)")
     parser.add_argument("--validation", default=None, help="validation.jsonl (default: made from MT-bench)")
     parser.add_argument("--validation-tokens", type=int, default=128, help="target tokens per prompt when made")
@@ -276,9 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
-    print("$", " ".join(["python", *sys.argv]), flush=True)
+    print("$", command(), flush=True)
     report = run(args)
-    atomic_write_json(args.out, report)
+    save_result("export", report, args.out)
     return 0
 
 

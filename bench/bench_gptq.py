@@ -6,14 +6,15 @@
 Each variant loads the float checkpoint, replaces its 2-D weights by what the pack would store (G = 64, or the
 finer grid a weight already sits on exactly, as `specdraft pack` does unless --no-lossless-grids; norms stay
 float32), and scores the simulated acceptance (one teacher-forced pass per validation prompt; exact for
-greedy drafts, see specdraft.train.simulated_acceptance) on every validation point, pooled. Variants:
+greedy drafts, see specdraft.drafting.simulated.simulated_acceptance) on every validation point, pooled. Variants:
   float                        the checkpoint as trained
   minmax                       plain rounding (specdraft pack's default fit)
-  gptq:SEQS:DAMP[:act]         specdraft.pack.gptq_calibrate on SEQS calibration traces with damping DAMP,
+  gptq:SEQS:DAMP[:act]         specdraft.quant.gptq.gptq_calibrate on SEQS calibration traces with damping DAMP,
                                left to right or (":act") by decreasing input energy
   gptq-linears:SEQS:DAMP[:act] the same, but the tied embedding/head kept in float (what the linears cost)
   minmax-embedding             only the embedding rounded (what the embedding costs)
-`specdraft pack --fit gptq` then `specdraft eval --compute int4` measure the shipped file itself.
+`specdraft pack --fit gptq` then `specdraft eval --compute int4` measure the shipped file itself. The result goes
+to ``bench/results/gptq.<cpu class>.json`` and to --out.
 """
 
 from __future__ import annotations
@@ -21,17 +22,16 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-import time
 
 import torch
 
-from specdraft.core.io import atomic_write_json, sha256_file
-from specdraft.core.provenance import run_metadata
+from harness import add_out_argument, argument_parser, save_result, stopwatch
+from specdraft.core.io import sha256_file
 from specdraft.core.records import Example, ValidationPoint, load_validation
+from specdraft.drafting.simulated import simulated_acceptance
 from specdraft.model.specs import load_model
 from specdraft.quant import q4g, qd4
 from specdraft.quant.gptq import calibration_sequences, gptq_calibrate
-from specdraft.stages.train import simulated_acceptance
 
 GROUP_SIZE = q4g.DEFAULT_GROUP_SIZE
 
@@ -78,7 +78,7 @@ def apply_variant(model, variant: str, calibration: str | None, lossless_grids: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--checkpoint", required=True, help="float draft checkpoint (a training output dir)")
     parser.add_argument("--validation", required=True, help="validation.jsonl (specdraft validation)")
     parser.add_argument("--calibration", default=None, help="traces JSONL for the gptq variants")
@@ -86,31 +86,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lossless-grids", action=argparse.BooleanOptionalAction, default=True,
                         help="store weights that sit exactly on a finer grid on it, as specdraft pack does")
-    parser.add_argument("--out", required=True, help="JSON results file")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     examples = validation_examples(args.validation)
     rows = []
     for variant in args.variants:
         model = load_model(args.checkpoint, dtype=torch.float32).eval()
-        started = time.perf_counter()
-        params = apply_variant(model, variant, args.calibration, args.lossless_grids)
-        quantise_s = time.perf_counter() - started
+        with stopwatch() as quantising:
+            params = apply_variant(model, variant, args.calibration, args.lossless_grids)
         stats = simulated_acceptance(model, examples, k=16)
         rows.append({"variant": variant, **params, "points": stats.points,
-                     "mean_accepted_pooled": stats.mean_accepted_pooled, "quantise_seconds": round(quantise_s, 1)})
+                     "mean_accepted_pooled": stats.mean_accepted_pooled,
+                     "quantise_seconds": round(quantising.wall, 1)})
         print(f"{variant:28s} pooled {stats.mean_accepted_pooled:.3f} over {stats.points} points "
-              f"(quantise {quantise_s:.0f}s)", flush=True)
+              f"(quantise {quantising.wall:.0f}s)", flush=True)
         del model
     base = next((r["mean_accepted_pooled"] for r in rows if r["variant"] == "float"), None)
     for r in rows:
         r["relative_to_float"] = None if not base else r["mean_accepted_pooled"] / base - 1
-    atomic_write_json(args.out, {
-        "command": " ".join(["python", *sys.argv]), "checkpoint": args.checkpoint, "group_size": GROUP_SIZE,
+    save_result("gptq", {
+        "checkpoint": args.checkpoint, "group_size": GROUP_SIZE,
         "validation": {"path": args.validation, "sha256": sha256_file(args.validation), "prompts": len(examples)},
         "calibration": args.calibration and {"path": args.calibration, "sha256": sha256_file(args.calibration)},
-        "threads": args.threads, "lossless_grids": args.lossless_grids, "variants": rows, **run_metadata()})
-    print(f"wrote {args.out}")
+        "threads": args.threads, "lossless_grids": args.lossless_grids, "variants": rows}, args.out)
     return 0
 
 

@@ -5,27 +5,25 @@ reference answer), alternating traces and labels for ``--repeats`` rounds so bot
 Traces: ``specdraft.decode.iter_greedy`` as the traces stage runs it (continuous batching, longest first).
 Labels: ``specdraft.label.label_batch`` over length-grouped batches, as the label stage runs it. A training
 token is a completion token (traces) or a labelled answer token (labels). Medians over the rounds of wall
-and process-CPU seconds per training token, and their ratio, are printed as a markdown table.
+and process-CPU seconds per training token, and their ratio, are printed as a markdown table and written to
+``bench/results/label.<cpu class>.json`` and --out.
 
-    python bench/bench_label.py --prompts runs/x/prompts/prompts.jsonl      # BENCHMARKS.md (about 10 min)
-    python bench/bench_label.py --prompts P --num-prompts 16 --repeats 1   # a quick look
+    .venv/bin/python bench/bench_label.py --prompts runs/x/prompts/prompts.jsonl      # about 10 min
+    .venv/bin/python bench/bench_label.py --prompts P --num-prompts 16 --repeats 1   # a quick look
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from harness import add_out_argument, argument_parser, median, save_result, stopwatch
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argument_parser(__doc__)
     p.add_argument("--prompts", type=Path, required=True, help="prompts.jsonl with `response` fields")
     p.add_argument("--target", default="embedded:smollm2-135m-instruct")
     p.add_argument("--num-prompts", type=int, default=64, help="first N prompts that have a reference answer")
@@ -35,7 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-tokens", type=int, default=8192, help="labels: padded tokens per forward")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=Path("bench_label.json"))
+    add_out_argument(p, "bench_label.json")
     return p.parse_args(argv)
 
 
@@ -46,7 +44,7 @@ def main(argv=None) -> int:
     from specdraft.model.chat import encode_prompts
     from specdraft.model.decode import iter_greedy
     from specdraft.model.specs import load_model, load_tokenizer
-    from specdraft.stages.label import _batches, answer_ids, label_batch
+    from specdraft.stages.label import answer_ids, label_batch, token_batches
 
     rows, _ = read_answers(args.prompts, args.num_prompts)
     tok = load_tokenizer(args.target)
@@ -67,7 +65,7 @@ def main(argv=None) -> int:
 
     def run_labels() -> int:
         n = 0
-        for batch in _batches([len(s) for s in seqs], args.batch_tokens):
+        for batch in token_batches([len(s) for s in seqs], args.batch_tokens):
             n += sum(map(len, label_batch(model, [seqs[i] for i in batch], [plens[i] for i in batch], pad)))
         return n
 
@@ -75,25 +73,23 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for r in range(args.repeats):
             for name, fn in (("traces", run_traces), ("labels", run_labels)):
-                w0, c0 = time.perf_counter(), time.process_time()
-                n = fn()
-                wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-                per[name].append((wall, cpu, n))
-                print(f"round {r}: {name}: {n} tokens, {wall:.1f} s wall, {cpu:.1f} s CPU, {n / wall:.1f} tok/s",
-                      flush=True)
+                with stopwatch() as lap:
+                    n = fn()
+                per[name].append((lap.wall, lap.cpu, n))
+                print(f"round {r}: {name}: {n} tokens, {lap.wall:.1f} s wall, {lap.cpu:.1f} s CPU, "
+                      f"{n / lap.wall:.1f} tok/s", flush=True)
 
     def med(name: str, i: int) -> float:
-        return statistics.median(x[i] / x[2] for x in per[name])
+        return median([x[i] / x[2] for x in per[name]])
 
     result = {
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "prompts": len(prompt_ids), "answers": len(seqs), "threads": args.threads, "rounds": per,
         "traces_wall_ms_per_token": 1000 * med("traces", 0), "labels_wall_ms_per_token": 1000 * med("labels", 0),
         "traces_cpu_ms_per_token": 1000 * med("traces", 1), "labels_cpu_ms_per_token": 1000 * med("labels", 1),
     }
     result["wall_ratio"] = result["traces_wall_ms_per_token"] / result["labels_wall_ms_per_token"]
     result["cpu_ratio"] = result["traces_cpu_ms_per_token"] / result["labels_cpu_ms_per_token"]
-    args.out.write_text(json.dumps(result, indent=1))
+    save_result("label", result, args.out)
     print(f"\n| source | training tokens per round | wall ms / token (median) | CPU ms / token (median) |\n"
           f"|---|---:|---:|---:|\n"
           f"| traces (greedy decode, batch {args.batch_size}) | {per['traces'][0][2]} | "

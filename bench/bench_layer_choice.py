@@ -6,13 +6,13 @@ way on the same traces beside it.
         --out layer_choice.json
 
 The first --examples rows of at most 300 tokens from row --first-row on are scored, so that a run training on the
-file's first rows scores rows it does not train on.
+file's first rows scores rows it does not train on. --out is the choose-layers stage's own result (it resumes from
+it), with the earlier cut's scores added; ``bench/results/layer_choice.<cpu class>.json`` gets the same figures.
 """
 
 from __future__ import annotations
 
-import argparse
-
+from harness import argument_parser, save_result
 from specdraft.core.io import atomic_write_json
 from specdraft.model.layer_choice import score_layers
 from specdraft.model.specs import DEFAULT_TARGET, load_model
@@ -22,7 +22,7 @@ EARLIER_CUT = [*range(16), *range(22, 30)]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argument_parser(__doc__)
     ap.add_argument("--traces", required=True)
     ap.add_argument("--keep", type=int, default=24)
     ap.add_argument("--first-row", type=int, default=0)
@@ -37,6 +37,7 @@ def main() -> None:
     earlier = score_layers(load_model(DEFAULT_TARGET), EARLIER_CUT, select_examples(cfg))
     result["earlier_cut"] = earlier.to_json()
     atomic_write_json(args.out, result)
+    save_result("layer_choice", result)
     print(f"earlier cut: cross-entropy {earlier.cross_entropy:.3f}, agreement {earlier.agreement:.3f}, accepted "
           f"{earlier.accepted:.2f}")
     print(f"chosen {result['layers']}: cross-entropy {result['chosen']['cross_entropy']:.3f}, agreement "

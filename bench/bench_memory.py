@@ -2,72 +2,83 @@
 
 The server's model step in process (no HTTP): ``--calls`` drafts of 16 tokens, each a batch of 1..32 random
 contexts of 20..400 tokens (seeded, so every variant sees the same sequence of shapes). Each variant runs in
-its own subprocess, one after the other; RSS (from /proc/self/statm) is sampled every 10 calls.
+its own subprocess, one after the other; RSS (from /proc/self/statm) is sampled every 10 calls. With trimming,
+glibc's ``malloc_trim(0)`` (``specdraft.server.engine.heap_trimmer``) follows every step; `specdraft serve` trims
+after its iterations, at most once a second. The result goes to ``bench/results/memory.<cpu class>.json`` and to
+--out.
 
-    python bench/bench_memory.py --model-dir runs/demo/model            # BENCHMARKS.md (about 10 minutes)
-    python bench/bench_memory.py --model-dir runs/demo/model --calls 20  # a quick look
+    .venv/bin/python bench/bench_memory.py --model-dir runs/demo/model            # about 10 minutes
+    .venv/bin/python bench/bench_memory.py --model-dir runs/demo/model --calls 20  # a quick look
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import shlex
 import subprocess
 import sys
-import time
-from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from harness import add_out_argument, argument_parser, median, rss_mb, save_result, stopwatch
+from specdraft.server.engine import heap_trimmer, load_engine
+
+Step = Callable[[list[list[int]], int], Any]
+
+
+def trimmed(step: Step) -> Step:
+    """``step`` followed by ``malloc_trim(0)``, also when the step fails (its buffers were freed all the same)."""
+    trim = heap_trimmer()
+    if trim is None:
+        raise SystemExit("no glibc malloc_trim here: nothing to compare")
+
+    def run(contexts: list[list[int]], n: int) -> Any:
+        try:
+            return step(contexts, n)
+        finally:
+            trim()
+    return run
 
 
 def child(model_dir: str, trim: bool, calls: int, seed: int, threads: int) -> dict:
-    import torch
     torch.set_num_threads(threads)
-    from specdraft.server.app import trimmed
-    from specdraft.server.engine import heap_trimmer, load_engine
-
-    def rss_mb() -> float:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
     engine = load_engine(model_dir, None, "int4")
-    step = trimmed(engine.draft, heap_trimmer()) if trim else engine.draft
+    step = trimmed(engine.draft) if trim else engine.draft
     rng = random.Random(seed)
     samples, times = [(0, rss_mb())], []
     for i in range(1, calls + 1):
         contexts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(20, 400))]
                     for _ in range(rng.randint(1, 32))]
-        t = time.perf_counter()
-        step(contexts, 16)
-        times.append(time.perf_counter() - t)
+        with stopwatch() as lap:
+            step(contexts, 16)
+        times.append(lap.wall)
         if i % 10 == 0:
             samples.append((i, rss_mb()))
-    times.sort()
-    return {"trim": trim, "rss_mb": samples, "median_step_s": times[len(times) // 2],
-            "total_step_s": sum(times)}
+    return {"trim": trim, "rss_mb": samples, "median_step_s": median(times), "total_step_s": sum(times)}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argument_parser(__doc__)
     p.add_argument("--model-dir", required=True, help="packed draft dir")
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=Path("bench_memory.json"))
+    add_out_argument(p, "bench_memory.json")
     p.add_argument("--child", choices=["trim", "no-trim"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.model_dir, args.child == "trim", args.calls, args.seed, args.threads)))
         return 0
-    results = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "variants": {}}
+    results: dict[str, Any] = {"variants": {}}
     for variant in ("no-trim", "trim"):
         out = subprocess.run([sys.executable, __file__, "--child", variant, "--model-dir", args.model_dir,
                               "--calls", str(args.calls), "--seed", str(args.seed), "--threads", str(args.threads)],
                              check=True, capture_output=True, text=True).stdout
         results["variants"][variant] = json.loads(out.strip().splitlines()[-1])
         print(variant, results["variants"][variant]["rss_mb"][::2], flush=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    save_result("memory", results, args.out)
     print("\n| malloc_trim after each step | RSS MB after load | after 10 calls | at the end | max | median step s |\n"
           "|---|---:|---:|---:|---:|---:|")
     for variant, r in results["variants"].items():

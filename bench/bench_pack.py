@@ -1,6 +1,6 @@
 """Benchmark the pack stage: bytes, teacher-forced greedy agreement and load time, packed vs float.
 
-    .venv/bin/python bench/bench_pack.py --out bench/results/pack.json
+    .venv/bin/python bench/bench_pack.py --out runs/bench_pack/pack.json
 
 On the embedded default target (a stand-in for the trained draft, which does not exist yet) it packs
 several variants (group size, embedding encoding), then for each:
@@ -10,7 +10,8 @@ several variants (group size, embedding encoding), then for each:
     argmax of the float model at every position (goal >= 97%);
   * load time: load_packed_model (checksum included) against from_pretrained of fp16 and fp32 safetensors.
 The mean accepted length of packed vs float draft needs a trained draft and a validation file: pass
---validation, --float-checkpoint and --packed-dir (otherwise it is reported as pending).
+--validation, --float-checkpoint and --packed-dir (otherwise it is reported as pending). The result goes to
+``bench/results/pack.<cpu class>.json`` and to --out.
 """
 
 from __future__ import annotations
@@ -18,17 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from specdraft.core.io import atomic_write_json, sha256_file
-from specdraft.core.provenance import run_metadata
+from harness import add_out_argument, argument_parser, command, median, save_result, stopwatch, timed
+from specdraft.core.io import sha256_file
 from specdraft.model.loader import load_packed_model
 from specdraft.model.specs import DEFAULT_TARGET, resolve_model
 from specdraft.quant import qd4
@@ -120,17 +119,6 @@ def weight_errors(src_state: dict[str, torch.Tensor], qd4_path: Path, emb_name: 
     return {k: (num[k] / den[k]) ** 0.5 if den[k] else 0.0 for k in num}
 
 
-def timed(fn, repeats: int) -> tuple[float, Any]:
-    """Median seconds over ``repeats`` calls after one warm-up call (page cache warm for every loader)."""
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), result
-
-
 def acceptance_packed_vs_float(validation: str | None, float_checkpoint: str | None, packed_dir: str | None,
                                k: int = 16, limit: int | None = None) -> dict[str, Any]:
     """Mean accepted length of the packed draft vs the float draft on a validation file (k-token drafts)."""
@@ -176,12 +164,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fp16_bytes = sum(f.stat().st_size for f in fp16_dir.glob("*.safetensors"))
 
     windows = text_windows(tokenizer, args.positions, args.seq_len)
-    t = time.perf_counter()
-    ref = logits_of(float_model, windows)
-    float_forward_s = time.perf_counter() - t
-    float_load_fp32, _ = timed(lambda: AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), args.repeats)
-    float_load_fp16, _ = timed(lambda: AutoModelForCausalLM.from_pretrained(fp16_dir, dtype=torch.float16),
-                               args.repeats)
+    with stopwatch() as float_forward:
+        ref = logits_of(float_model, windows)
+    # median of --repeats loads after one untimed load (the page cache warm for every loader)
+    float_load_fp32 = median(timed(lambda: AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32),
+                                   args.repeats))
+    float_load_fp16 = median(timed(lambda: AutoModelForCausalLM.from_pretrained(fp16_dir, dtype=torch.float16),
+                                   args.repeats))
 
     rows = []
     for name in args.variants:
@@ -189,7 +178,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out = work / name
         calibration = {"calibration": args.calibration} if overrides.get("fit") == "gptq" else {}
         result = run_pack(PackConfig(checkpoint=str(src), out=str(out), overwrite=True, **overrides, **calibration))
-        load_s, (model, info) = timed(lambda: load_packed_model(out), args.repeats)
+        load_s = median(timed(lambda: load_packed_model(out), args.repeats))
+        model, info = load_packed_model(out)  # its checksum read with the page cache as warm as the timed loads
         counts = agreement_counts(ref, logits_of(model, windows))
         rows.append({
             "variant": name, **overrides, **calibration,
@@ -205,7 +195,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         })
         del model
     return {
-        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
         "model": args.model, "model_path": str(src),
         "source_weights_sha256": sha256_file(next(src.glob("*.safetensors"))),
         "text": {"files": list(TEXT_FILES), "windows": len(windows), "seq_len": args.seq_len,
@@ -213,12 +202,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "sha256": {f: sha256_file(DATA_DIR / f) for f in TEXT_FILES}},
         "threads": torch.get_num_threads(),
         "fp16_safetensors_bytes": fp16_bytes,
-        "float_forward_seconds": float_forward_s,
+        "float_forward_seconds": float_forward.wall,
         "from_pretrained_seconds": {"fp32": float_load_fp32, "fp16": float_load_fp16},
         "variants": rows,
         "acceptance": acceptance_packed_vs_float(args.validation, args.float_checkpoint, args.packed_dir),
         "goals": {"ratio_vs_fp16": 0.30, "agreement": 0.97},
-        **run_metadata(),
     }
 
 
@@ -241,8 +229,8 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="JSON results file")
+    parser = argument_parser(__doc__)
+    add_out_argument(parser)
     parser.add_argument("--model", default=DEFAULT_TARGET, help="model spec to pack (stand-in for the draft)")
     parser.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
                         help="default: all (the gptq ones only with --calibration)")
@@ -267,11 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    print("$", " ".join(["python", *sys.argv]))
+    print("$", command())
     report = run(args)
-    atomic_write_json(args.out, report)
+    save_result("pack", report, args.out)
     print(table(report))
-    print(f"wrote {args.out}")
     return 0
 
 

@@ -13,32 +13,30 @@ the float draft's next-token distribution on the same positions; 2,048-token bat
 Simulated acceptance (one teacher-forced pass per validation prompt, pooled over points) at ``--eval-every``:
 these points are the test set, so nothing is selected on them; the last step is the result. ``--write DIR``
 copies the packed dir with the tuned parameters in its draft.qd4 (same codes, same layout) for `specdraft eval`.
+The result goes to ``bench/results/scale_tuning.<cpu class>.json`` and to --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench_gptq import validation_examples
+from harness import add_out_argument, argument_parser, command, save_result, stopwatch
 from specdraft.core.io import atomic_write_json, sha256_file
-from specdraft.core.provenance import run_metadata
 from specdraft.core.records import read_traces
+from specdraft.drafting.simulated import simulated_acceptance
 from specdraft.model.batching import collate, next_tokens, scored_positions
+from specdraft.model.distill import make_batches
 from specdraft.model.loader import load_packed_model
 from specdraft.quant import q4g, qd4
-from specdraft.stages.train import make_batches, simulated_acceptance
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_gptq import validation_examples  # noqa: E402
 
 
 def fp16_ste(x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +131,7 @@ def swap_layers(model, stored: dict, first_layer: int, tune: str = "scales"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argument_parser(__doc__)
     ap.add_argument("--packed", required=True, help="packed draft dir (specdraft pack)")
     ap.add_argument("--traces", required=True, help="traces JSONL to tune on (the draft's training traces)")
     ap.add_argument("--validation", required=True, help="validation.jsonl to score on (never selected on)")
@@ -152,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="scales: each group's fp16 scale and min (codes fixed); codes: a latent per weight whose "
                          "rounding on the fixed grid gives the codes (scales and mins fixed)")
     ap.add_argument("--write", default=None, help="write the tuned packed dir here")
-    ap.add_argument("--out", required=True, help="JSON results file")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -190,32 +188,32 @@ def main(argv: list[str] | None = None) -> int:
 
     evaluate(0, None)
     batches = [b for epoch in range(100) for b in make_batches(examples, args.batch_tokens, args.seed, epoch)]
-    started, losses = time.time(), []
-    model.train()
-    for step in range(1, args.steps + 1):
-        lr = args.lr * (step / args.warmup if step <= args.warmup else
-                        0.5 * (1 + math.cos(math.pi * (step - args.warmup) / max(1, args.steps - args.warmup))))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        batch = collate([examples[i] for i in batches[step - 1]], 0, "cpu")
-        scored = scored_positions(batch["labels"])  # the head runs at the completion positions alone
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       logits_to_keep=scored).logits  # [N, V]
-        if teacher is None:
-            loss = F.cross_entropy(logits.float(), next_tokens(batch["labels"], batch["labels"]))
-        else:  # KL(float draft || packed draft) on the completion positions
-            with torch.no_grad():
-                target = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 logits_to_keep=scored).logits  # [N, V]
-            loss = F.kl_div(logits.float().log_softmax(-1), target.float().log_softmax(-1),
-                            log_target=True, reduction="batchmean")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-        if step % args.eval_every == 0 or step == args.steps:
-            evaluate(step, sum(losses[-args.eval_every:]) / len(losses[-args.eval_every:]))
-    seconds = time.time() - started
+    losses: list[float] = []
+    with stopwatch() as tuning:
+        model.train()
+        for step in range(1, args.steps + 1):
+            lr = args.lr * (step / args.warmup if step <= args.warmup else
+                            0.5 * (1 + math.cos(math.pi * (step - args.warmup) / max(1, args.steps - args.warmup))))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            batch = collate([examples[i] for i in batches[step - 1]], 0, "cpu")
+            scored = scored_positions(batch["labels"])  # the head runs at the completion positions alone
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           logits_to_keep=scored).logits  # [N, V]
+            if teacher is None:
+                loss = F.cross_entropy(logits.float(), next_tokens(batch["labels"], batch["labels"]))
+            else:  # KL(float draft || packed draft) on the completion positions
+                with torch.no_grad():
+                    target = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                     logits_to_keep=scored).logits  # [N, V]
+                loss = F.kl_div(logits.float().log_softmax(-1), target.float().log_softmax(-1),
+                                log_target=True, reduction="batchmean")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            if step % args.eval_every == 0 or step == args.steps:
+                evaluate(step, sum(losses[-args.eval_every:]) / len(losses[-args.eval_every:]))
 
     written = None
     if args.write:
@@ -242,18 +240,18 @@ def main(argv: list[str] | None = None) -> int:
         recipe = json.loads((out / "pack_recipe.json").read_text())
         recipe["output"].update(bytes=nbytes, sha256=sha, payload_sha256=qd4.read_qd4_header(out / "draft.qd4")
                                 .payload_sha256)
-        recipe["scale_tuning"] = {"command": " ".join(["python", *sys.argv]), "from": str(packed),
+        recipe["scale_tuning"] = {"command": command(), "from": str(packed),
                                   "traces_sha256": sha256_file(args.traces), "steps": args.steps, "lr": args.lr}
         atomic_write_json(out / "pack_recipe.json", recipe)
         written = {"dir": str(out), "bytes": nbytes, "sha256": sha}
         print(f"wrote {out}", flush=True)
 
-    atomic_write_json(args.out, {
-        "command": " ".join(["python", *sys.argv]), "packed": str(packed),
+    save_result("scale_tuning", {
+        "packed": str(packed),
         "packed_sha256": sha256_file(packed / "draft.qd4"), "traces_sha256": sha256_file(args.traces),
         "validation_sha256": sha256_file(args.validation), "tuned_linears": len(tuned),
-        "tuned_parameters": sum(p.numel() for p in params), "args": vars(args), "seconds": round(seconds, 1),
-        "history": history, "written": written, **run_metadata()})
+        "tuned_parameters": sum(p.numel() for p in params), "args": vars(args), "seconds": round(tuning.wall, 1),
+        "history": history, "written": written}, args.out)
     return 0
 
 

@@ -16,6 +16,8 @@ floor: (weight bytes read per token) x 16 / bandwidth.
 Part 2 (over HTTP): `specdraft serve` in a subprocess; 1, 8 and 32 closed-loop keep-alive clients for
 --duration seconds each: requests/s, p50/p99, errors, rows decoded together per iteration, and the server's
 RSS over the run.
+
+The result goes to ``bench/results/server.<cpu class>.json`` and to --out.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ import os
 import shlex
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from harness import RssSampler, add_out_argument, argument_parser, log_to_console, save_result, stopwatch, timed
+from specdraft.core.io import read_json
+from specdraft.core.machine import describe
+from specdraft.drafting.acceptance import percentile  # NaN without values: a level nothing answered still prints
 from specdraft.server.process import ServerProcess
 
 log = logging.getLogger("specdraft.bench")
@@ -136,20 +141,7 @@ def measure_read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     import torch
 
     x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best / 1e9
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+    return nbytes / min(timed(x.sum, repeats)) / 1e9
 
 
 # -------------------------------------------------------------------------------------- batch-1 latency
@@ -168,21 +160,22 @@ def latency_bench(args, draft_dir: Path, points: list[dict[str, Any]], read_gbs:
     results: dict[str, Any] = {"contexts": len(contexts), "num_tokens": n, "threads": torch.get_num_threads(),
                                "mean_context_tokens": statistics.mean(len(c) for c in contexts)}
 
-    def timed(fn) -> tuple[list[float], list[list[int]]]:
+    def each_context(fn) -> tuple[list[float], list[list[int]]]:
+        """Seconds of ``fn(context)`` for every context, ``args.repeats`` times over, and the last pass's outputs."""
         for c in contexts[:3]:
             fn(c)  # warm-up
         times, outs = [], []
         for _ in range(args.repeats):
             outs = []
             for c in contexts:
-                t = time.perf_counter()
-                outs.append(fn(c))
-                times.append(time.perf_counter() - t)
+                with stopwatch() as lap:
+                    outs.append(fn(c))
+                times.append(lap.wall)
         return times, outs
 
     def summary(times: list[float], outs: list[list[int]]) -> dict[str, Any]:
         acc = [accepted_length(o[:n], p["target_ids"][:n]) for o, p in zip(outs, points)]
-        return {"p50_ms": 1000 * pct(times, 50), "p99_ms": 1000 * pct(times, 99),
+        return {"p50_ms": 1000 * percentile(times, 50), "p99_ms": 1000 * percentile(times, 99),
                 "mean_ms": 1000 * statistics.mean(times), "samples": len(times),
                 "mean_accepted": statistics.mean(acc), "acceptance_rate": statistics.mean(acc) / n}
 
@@ -202,7 +195,7 @@ def latency_bench(args, draft_dir: Path, points: list[dict[str, Any]], read_gbs:
         return out[0, len(c):].tolist()
 
     log.info("timing model.generate(max_new_tokens=16) of the float model (%s)", float_src)
-    times, gen_outs = timed(generate)
+    times, gen_outs = each_context(generate)
     results["generate_float32"] = summary(times, gen_outs)
     float_model = None  # free it before the draft engines load (the closure above is done with it)
 
@@ -212,7 +205,7 @@ def latency_bench(args, draft_dir: Path, points: list[dict[str, Any]], read_gbs:
         compute, _, variant = mode.partition("/")  # "int4/hf": decode steps through transformers' forward
         engine = load_engine(draft_dir, None, compute, lean=variant != "hf")
         log.info("timing draft_batch at batch 1, compute=%s, lean decode %s", compute, engine.load_info["lean_forward"])
-        times, outs = timed(lambda c: engine.draft([c], n)[0])
+        times, outs = each_context(lambda c: engine.draft([c], n)[0])
         s = summary(times, outs)
         s["weight_bytes_per_token"] = engine.bytes_per_token()
         s["floor_ms"] = 1000 * n * engine.bytes_per_token() / (args.bandwidth_gbs * 1e9)
@@ -267,12 +260,12 @@ def acceptance_bench(args, model_dirs: dict[str, Path], points: list[dict[str, A
         for compute in args.computes:
             base, _, variant = compute.partition("/")
             engine = load_engine(model_dir, None, base, lean=variant != "hf")
-            t = time.perf_counter()
             drafts: list[list[int]] = []
-            for start in range(0, len(contexts), 8):
-                drafts += engine.draft(contexts[start:start + 8], 16)
+            with stopwatch() as lap:
+                for start in range(0, len(contexts), 8):
+                    drafts += engine.draft(contexts[start:start + 8], 16)
             acc = [accepted_length(d, p["target_ids"][:16]) for d, p in zip(drafts, points)]
-            per_mode[compute] = {"mean_accepted": statistics.mean(acc), "seconds": time.perf_counter() - t,
+            per_mode[compute] = {"mean_accepted": statistics.mean(acc), "seconds": lap.wall,
                                  "histogram": [acc.count(a) for a in range(17)]}
             if compute == "float32":
                 drafts_f32 = drafts
@@ -370,8 +363,6 @@ def _scrape(url: str) -> dict[str, float]:
 
 
 def http_bench(args, draft_dir: Path, points: list[dict[str, Any]]) -> dict[str, Any]:
-    import psutil
-
     extra = ["--compute", args.server_compute, "--max-batch-size", str(args.max_batch_size),
              "--max-wait-ms", str(args.max_wait_ms)]
     if args.server_threads:
@@ -382,61 +373,50 @@ def http_bench(args, draft_dir: Path, points: list[dict[str, Any]]) -> dict[str,
         raise RuntimeError(f"server did not start: {detail}")
     url = server.url
     log.info("server at %s (%s)", url, shlex.join(server.argv))
-    proc = psutil.Process(server.proc.pid)
-    rss: list[tuple[float, float]] = []
-    stop_sampling = threading.Event()
-    t_start = time.time()
-
-    def sample() -> None:
-        while not stop_sampling.is_set():
-            try:
-                rss.append((time.time() - t_start, proc.memory_info().rss / 2**20))
-            except psutil.Error:
-                return
-            stop_sampling.wait(0.5)
-
-    threading.Thread(target=sample, daemon=True).start()
     bodies = [json.dumps({"token_ids": p["context_ids"], "num_tokens": 16}).encode() for p in points]
     levels = []
     try:
-        run_clients(url, bodies, 2, args.warmup)
-        for clients in args.clients:
-            before = _scrape(url)
-            t0 = time.time() - t_start
-            lat, errors, elapsed = run_clients(url, bodies, clients, args.duration)
-            after = _scrape(url)
-            window = [m for t, m in rss if t >= t0]
-            batches = after["specdraft_iteration_rows_count"] - before.get("specdraft_iteration_rows_count", 0)
-            level = {
-                "clients": clients, "seconds": elapsed, "requests": len(lat), "errors": len(errors),
-                "error_examples": sorted(set(errors))[:5], "rps": len(lat) / elapsed,
-                "p50_ms": 1000 * pct(lat, 50), "p99_ms": 1000 * pct(lat, 99), "max_ms": 1000 * max(lat or [0]),
-                "mean_batch": (after["specdraft_iteration_rows_sum"] - before.get("specdraft_iteration_rows_sum", 0))
-                / batches if batches else 0.0,
-                "rss_mb_start": window[0] if window else None, "rss_mb_end": window[-1] if window else None,
-                "rss_mb_max": max(window) if window else None,
-            }
-            levels.append(level)
-            log.info("%d clients: %.1f req/s, p50 %.0f ms, p99 %.0f ms, %d errors, mean batch %.1f", clients,
-                     level["rps"], level["p50_ms"], level["p99_ms"], level["errors"], level["mean_batch"])
+        with RssSampler(server.proc.pid, every=0.5) as rss:
+            run_clients(url, bodies, 2, args.warmup)
+            for clients in args.clients:
+                before = _scrape(url)
+                t0 = rss.elapsed()
+                lat, errors, elapsed = run_clients(url, bodies, clients, args.duration)
+                after = _scrape(url)
+                window = rss.since(t0)
+                batches = after["specdraft_iteration_rows_count"] - before.get("specdraft_iteration_rows_count", 0)
+                rows = after["specdraft_iteration_rows_sum"] - before.get("specdraft_iteration_rows_sum", 0)
+                level = {
+                    "clients": clients, "seconds": elapsed, "requests": len(lat), "errors": len(errors),
+                    "error_examples": sorted(set(errors))[:5], "rps": len(lat) / elapsed,
+                    "p50_ms": 1000 * percentile(lat, 50), "p99_ms": 1000 * percentile(lat, 99),
+                    "max_ms": 1000 * max(lat or [0]), "mean_batch": rows / batches if batches else 0.0,
+                    "rss_mb_start": window[0] if window else None, "rss_mb_end": window[-1] if window else None,
+                    "rss_mb_max": max(window) if window else None,
+                }
+                levels.append(level)
+                log.info("%d clients: %.1f req/s, p50 %.0f ms, p99 %.0f ms, %d errors, mean batch %.1f", clients,
+                         level["rps"], level["p50_ms"], level["p99_ms"], level["errors"], level["mean_batch"])
     finally:
-        stop_sampling.set()
         rc = server.stop()
     base = levels[0]["rps"] if levels and levels[0]["clients"] == 1 else None
     for level in levels:
         level["rps_vs_1_client"] = level["rps"] / base if base else None
+    trace = rss.samples
     return {"server_argv": server.argv, "url": url, "levels": levels, "server_exit_code": rc,
-            "rss_mb": {"samples": len(rss), "first": rss[0][1] if rss else None, "last": rss[-1][1] if rss else None,
-                       "max": max((m for _, m in rss), default=None),
-                       "trace": [(round(t, 1), round(m, 1)) for t, m in rss[:: max(1, len(rss) // 200)]]},
+            "rss_mb": {"samples": len(trace), "first": trace[0][1] if trace else None,
+                       "last": trace[-1][1] if trace else None, "max": rss.peak_mb,
+                       "trace": [(round(t, 1), round(m, 1)) for t, m in trace[:: max(1, len(trace) // 200)]]},
             "loaded_line": next((line for line in server.log_text().splitlines() if "loaded qd4" in line), None)}
 
 
 # ---------------------------------------------------------------------------------------------- report
 
-def print_report(res: dict[str, Any]) -> None:
-    print(f"\ncommand: {res['command']}")
-    print(f"draft: {res['draft']}  ({res['draft_dir']})  machine: {res['machine']}")
+def print_report(record: dict[str, Any]) -> None:
+    res = record["figures"]
+    print(f"\ncommand: {record['command']}")
+    print(f"draft: {res['draft']}  ({res['draft_dir']})  machine: {describe(record['machine'])}, load average "
+          f"{res['load_average_start']:.1f} at start")
     lat = res.get("latency")
     if lat:
         g = lat["generate_float32"]
@@ -477,8 +457,8 @@ def print_report(res: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="JSON results file")
+    p = argument_parser(__doc__)
+    add_out_argument(p)
     p.add_argument("--draft-dir", help="packed draft dir (default: build the stand-in)")
     p.add_argument("--float-dir", help="float HF dir for the generate() baseline (default: the packed dir "
                                        "dequantised to float32)")
@@ -508,17 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.computes = [c.strip() for c in args.computes.split(",") if c.strip()]
     args.clients = [int(c) for c in args.clients.split(",")]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    from specdraft.core.io import atomic_write_json
-    from specdraft.core.provenance import run_metadata
+    log_to_console()
 
     draft_dir, description = ensure_draft(args)
     points = eval_points(args, draft_dir)
-    res: dict[str, Any] = {"command": shlex.join([sys.executable, *sys.argv]), "args": vars(args),
-                           "draft": description, "draft_dir": str(draft_dir), "points": len(points),
-                           "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
-                           **run_metadata()}
+    res: dict[str, Any] = {"args": vars(args), "draft": description, "draft_dir": str(draft_dir),
+                           "points": len(points), "load_average_start": os.getloadavg()[0]}
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
@@ -533,9 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_http:
         res["http"] = http_bench(args, draft_dir, points)
     res["load_average_end"] = os.getloadavg()[0]
-    atomic_write_json(args.out, res)
-    print_report(res)
-    print(f"\nwrote {args.out}")
+    print_report(read_json(save_result("server", res, args.out)))
     return 0
 
 

@@ -37,9 +37,10 @@ order); then C keep-alive clients (httpx), each sending its next context as soon
 until the last answer when --max-requests ended it first); the requests still in flight at its end are answered
 and their latencies counted in p50/p99. A client waits 1 s after an error. Then SIGTERM, and the exit code.
 
-Writes --out (JSON: configuration, machine, llama.cpp build, per level and server: answered/s, p50/p99, errors,
-acceptance, the server's CPU use and peak RSS; the specdraft / llama-server ratios), a markdown table beside it
-(.md) and a plot (.png: answered/s and p99 against clients).
+Writes ``bench/results/server_peers.<cpu class>.json`` and --out, after every level (JSON: the machine, the command,
+the configuration, llama.cpp's build, per level and server: answered/s, p50/p99, errors, acceptance, the server's
+CPU use and peak RSS; the specdraft / llama-server ratios; ``clients`` and ``memory_mb``: per client count, what
+bench/report.py quotes), a markdown table beside --out (.md) and a plot (.png: answered/s and p99 against clients).
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ import json
 import logging
 import math
 import os
-import platform
 import random
 import shlex
 import signal
@@ -60,7 +60,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +68,10 @@ from typing import Any
 import httpx
 import psutil
 
-from specdraft.core.io import atomic_write_bytes, atomic_write_json, atomic_write_text
-from specdraft.core.provenance import run_metadata
+from harness import RssSampler, add_out_argument, argument_parser, log_to_console, percentile, save_result, stopwatch
+from specdraft.core.io import atomic_write_bytes, atomic_write_text, read_json
+from specdraft.core.machine import describe
 from specdraft.core.records import ValidationPoint, load_validation
-from specdraft.drafting.acceptance import percentile
 from specdraft.drafting.metrics import accepted_length
 from specdraft.drafting.remote import retry_after_seconds
 from specdraft.server.process import ServerProcess
@@ -98,22 +97,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def machine() -> dict[str, Any]:
-    cpu: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("model name", "cpu family", "model") and key not in cpu:
-                cpu[key] = value.strip()
-    except OSError:
-        pass
-    return {"cpu": cpu.get("model name", platform.processor()), "cpu_family": cpu.get("cpu family"),
-            "cpu_model": cpu.get("model"), "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
-            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform(),
-            "hostname": platform.node()}
 
 
 # ------------------------------------------------------------------------------------------------ the servers
@@ -272,29 +255,6 @@ async def closed_loop(peer, bodies: list[bytes], order: list[int], clients: int,
         return answers, start, stop_at, time.perf_counter()
 
 
-class RssSampler:
-    """Peak resident memory of a process, sampled every ``every`` seconds in a thread."""
-
-    def __init__(self, pid: int, every: float = 1.0):
-        self.proc, self.every, self.peak_mb = psutil.Process(pid), every, 0.0
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                self.peak_mb = max(self.peak_mb, self.proc.memory_info().rss / 2**20)
-            except psutil.Error:
-                return
-            self.stopped.wait(self.every)
-
-    def stop(self) -> float:
-        self.stopped.set()
-        self.thread.join(5)
-        return self.peak_mb
-
-
 def cpu_seconds(pid: int) -> float:
     t = psutil.Process(pid).cpu_times()
     return t.user + t.system
@@ -304,21 +264,19 @@ def run_server(peer, clients: int, points: list[ValidationPoint], order: list[in
                work: Path) -> tuple[dict[str, Any], dict[int, list[int]]]:
     """One fresh server at one concurrency: start, warm up, measure, stop. (summary, tokens by point)."""
     k = args.num_tokens
-    started = time.perf_counter()
     slug = "specdraft" if peer.name == SPECDRAFT else "llama"
-    info = peer.start(clients, work / f"{slug}_c{clients}.log", args.start_timeout)
-    startup_s = time.perf_counter() - started
-    rss = RssSampler(peer.pid)
+    with stopwatch() as startup:
+        info = peer.start(clients, work / f"{slug}_c{clients}.log", args.start_timeout)
     bodies = [peer.body(p.context_ids) for p in points]
     try:
-        warm, w0, _, w1 = asyncio.run(closed_loop(peer, bodies, order[::-1], min(clients, max(args.warmup, 1)),
-                                                  3600, args.warmup, args.timeout))
-        cpu0 = cpu_seconds(peer.pid)
-        answers, start, stop_at, end = asyncio.run(closed_loop(peer, bodies, order, clients, args.duration,
-                                                               args.max_requests, args.timeout))
-        cpu_s = cpu_seconds(peer.pid) - cpu0
+        with RssSampler(peer.pid) as rss:
+            warm, w0, _, w1 = asyncio.run(closed_loop(peer, bodies, order[::-1], min(clients, max(args.warmup, 1)),
+                                                      3600, args.warmup, args.timeout))
+            cpu0 = cpu_seconds(peer.pid)
+            answers, start, stop_at, end = asyncio.run(closed_loop(peer, bodies, order, clients, args.duration,
+                                                                   args.max_requests, args.timeout))
+            cpu_s = cpu_seconds(peer.pid) - cpu0
     finally:
-        peak_mb = rss.stop()
         exit_code = peer.stop()
     window_end = min(stop_at, end)  # --max-requests may end the run before --duration
     seconds = window_end - start
@@ -329,19 +287,18 @@ def run_server(peer, clients: int, points: list[ValidationPoint], order: list[in
     in_window = sum(1 for a in ok if a.done <= window_end)
     summary = {
         "server": peer.name, "clients": clients, "argv": peer.argv, "server_info": info,
-        "startup_s": startup_s, "warmup": {"requests": len(warm), "errors": sum(a.error is not None for a in warm),
+        "startup_s": startup.wall, "warmup": {"requests": len(warm), "errors": sum(a.error is not None for a in warm),
                                            "seconds": w1 - w0},
         "seconds": seconds, "drain_s": max(0.0, end - stop_at), "sent": len(answers), "answered": len(ok),
         "answered_in_window": in_window, "answered_per_s": in_window / seconds if seconds > 0 else 0.0,
-        "p50_s": percentile(latencies, 50) if latencies else None,
-        "p99_s": percentile(latencies, 99) if latencies else None,
+        "p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99),
         "mean_s": statistics.fmean(latencies) if latencies else None, "max_s": max(latencies, default=None),
         "errors": len(errors), "error_examples": sorted(set(errors))[:5],
         "mean_accepted": statistics.fmean(accepted) if accepted else None,
         "accepted_histogram": [accepted.count(a) for a in range(k + 1)],
         "short_drafts": sum(len(a.tokens) < k for a in ok),
         "cpu_s": cpu_s, "cpu_cores_busy": cpu_s / (end - start) if end > start else None,
-        "rss_peak_mb": peak_mb, "exit_code": exit_code,
+        "rss_peak_mb": rss.peak_mb, "exit_code": exit_code,
     }
     log.info("%s, %d clients: %.2f answered/s, p50 %.2f s, p99 %.2f s, %d errors, accepted %.2f of %d, "
              "%.2f cores busy, exit %s", peer.name, clients, summary["answered_per_s"], summary["p50_s"] or math.nan,
@@ -383,15 +340,34 @@ def _f(x: float | None, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
-def markdown(res: dict[str, Any]) -> str:
+def _round(x: float | None, digits: int = 2) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def quoted(levels: list[dict[str, Any]]) -> dict[str, Any]:
+    """What bench/report.py quotes: per client count, each server's answered/s, their ratio and each one's p99
+    (specdraft's first); each server's peak RSS, lowest and highest over the levels."""
+    clients = {}
+    for level in levels:
+        ours, theirs = level["servers"][SPECDRAFT], level["servers"][LLAMA]
+        clients[str(level["clients"])] = {
+            "specdraft_answered_per_s": _round(ours["answered_per_s"]),
+            "llama_server_answered_per_s": _round(theirs["answered_per_s"]),
+            "ratio": _round(level["comparison"]["answered_per_s_ratio"]),
+            "p99_s": [_round(ours["p99_s"]), _round(theirs["p99_s"])]}
+    peaks = {key: [level["servers"][name]["rss_peak_mb"] for level in levels]
+             for key, name in (("specdraft", SPECDRAFT), ("llama_server", LLAMA))}
+    return {"clients": clients, "memory_mb": {key: [round(min(mb)), round(max(mb))] for key, mb in peaks.items()}}
+
+
+def markdown(record: dict[str, Any]) -> str:
+    res = record["figures"]
     cfg, k = res["config"], res["config"]["num_tokens"]
-    m = res["machine"]
     lines = [
         f"`specdraft serve` vs `llama-server` ({res['llama_cpp']['source']}, build {res['llama_cpp']['build_info']}),"
         f" the same draft, {cfg['threads']} compute thread(s) each, {cfg['duration_s']:.0f} s per server and level, "
         f"{res['points']} contexts (mean {res['mean_context_tokens']:.0f} tokens, longest "
-        f"{res['max_context_tokens']}); {m['cpu']} (family {m['cpu_family']}, model {m['cpu_model']}), "
-        f"{m['cpus']} CPUs; {res['created_at'][:10]}.",
+        f"{res['max_context_tokens']}); {describe(record['machine'])}; {record['date']}.",
         "",
         f"| server | clients | answered/s | p50 s | p99 s | accepted of {k} | errors |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -409,7 +385,7 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(f"| {level['clients']} | {_f(c['answered_per_s_ratio'])}× | {_f(c['p99_ratio'])}× | "
                      f"{_f(acc[SPECDRAFT])} / {_f(acc[LLAMA])} ({c['common_contexts']} contexts) | "
                      f"{_f(None if same is None else 100 * same, 0)}% |")
-    lines += ["", "```bash", res["command"], "```", ""]
+    lines += ["", "```bash", record["command"], "```", ""]
     return "\n".join(lines)
 
 
@@ -443,7 +419,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 # --------------------------------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--model-dir", required=True, help="the packed draft dir `specdraft serve` serves")
     ap.add_argument("--gguf", required=True, help="the same draft exported by `specdraft export --format gguf`")
     ap.add_argument("--validation", required=True, help="validation.jsonl: context_ids + the target's 16 tokens")
@@ -464,10 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to be healthy")
     ap.add_argument("--serve-args", default="", help="extra `specdraft serve` options")
     ap.add_argument("--llama-args", default="", help="extra llama-server options")
-    ap.add_argument("--out", default="runs/peers/peers.json", help="JSON results (.md and .png beside it)")
+    add_out_argument(ap, "runs/peers/peers.json", beside="; a markdown table (.md) and a plot (.png) beside it")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    log_to_console()
 
     if not args.llama_server.is_file():
         raise SystemExit(f"no llama-server at {args.llama_server}: run `bash bench/build_llama_cpp.sh` first")
@@ -483,7 +458,6 @@ def main(argv: list[str] | None = None) -> int:
              len(points), statistics.fmean(lengths), max(lengths), args.threads, slot_context)
 
     res: dict[str, Any] = {
-        "command": shlex.join([sys.executable, *sys.argv] if argv is None else [sys.executable, __file__, *argv]),
         "config": {"model_dir": args.model_dir, "gguf": args.gguf, "validation": args.validation,
                    "llama_server": str(args.llama_server), "concurrency": args.concurrency, "threads": args.threads,
                    "duration_s": args.duration, "max_requests": args.max_requests, "warmup": args.warmup,
@@ -491,11 +465,11 @@ def main(argv: list[str] | None = None) -> int:
                    "serve_args": args.serve_args, "llama_args": args.llama_args},
         "fairness": f"{args.threads} compute thread(s) each (specdraft --threads, llama-server -t/-tb); no prompt "
                     "cache on either side; same contexts in the same order; servers alternate first per level",
-        "machine": machine(), "load_average_start": os.getloadavg(),
+        "load_average_start": os.getloadavg(),
         "points": len(points), "mean_context_tokens": statistics.fmean(lengths), "max_context_tokens": max(lengths),
         "llama_cpp": {"source": f"{LLAMA_CPP_PYPI} sdist, vendor/llama.cpp", "binary": str(args.llama_server),
                       "build_info": None},
-        "levels": [], **run_metadata(),
+        "levels": [],
     }
     for i, clients in enumerate(args.concurrency):
         names = [SPECDRAFT, LLAMA] if i % 2 == 0 else [LLAMA, SPECDRAFT]
@@ -506,14 +480,14 @@ def main(argv: list[str] | None = None) -> int:
         res["llama_cpp"]["build_info"] = runs[LLAMA]["server_info"].get("build_info")
         res["levels"].append({"clients": clients, "order": names, "servers": runs,
                               "comparison": compare(runs, tokens, points, args.num_tokens)})
-        atomic_write_json(out, res)  # what is done so far survives a later failure
+        res.update(quoted(res["levels"]))
+        save_result("server_peers", res, out)  # what is done so far survives a later failure
     res["load_average_end"] = os.getloadavg()
-    atomic_write_json(out, res)
-    table = markdown(res)
+    table = markdown(read_json(save_result("server_peers", res, out)))
     atomic_write_text(out.with_suffix(".md"), table)
     plot(res, out.with_suffix(".png"))
     print(table)
-    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    print(f"wrote {out.with_suffix('.md')}, {out.with_suffix('.png')}")
     return 0
 
 

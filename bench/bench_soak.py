@@ -23,21 +23,19 @@ run. The goal figures (short clients in `mixed` against `short`: throughput >= 7
 the end. Contexts are random token ids of the draft's vocabulary (what costs is their length, not their words).
 The server runs with `specdraft serve`'s defaults unless --serve-args says otherwise. Every request of a mix is
 the same kind of call, so a variant's cost shows in the iterations all its rows share (in a mix of kinds the greedy
-rows would pay for the sampled ones beside them, and the ratio would hide it).
+rows would pay for the sampled ones beside them, and the ratio would hide it). The result goes to
+``bench/results/soak.<cpu class>.json`` and to --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import os
 import random
 import shlex
 import signal
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -45,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from specdraft.core.provenance import run_metadata
+from harness import RssSampler, add_out_argument, argument_parser, log_to_console, percentile, save_result
 from specdraft.drafting.remote import retry_after_seconds
 from specdraft.model.specs import load_config
 from specdraft.server.process import ServerProcess
@@ -72,25 +70,6 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
 VARIANT_GOAL_P50_RATIO = 1.10
 BAD_BODIES = [b'{"token_ids": [1, 2', b'{"token_ids": "x"}', b'{"num_tokens": 99}', b"[]",
               b'{"token_ids": [1.5, -2]}', b'{"token_ids": [1], "extra": true}']
-
-
-def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 async def client(url: str, kind: str, vocab: int, seed: int, stop: asyncio.Event, record: list) -> None:
@@ -131,19 +110,7 @@ def run_mix(name: str, classes: dict[str, int], args, vocab: int) -> dict[str, A
     ready, detail = server.wait_ready(600)
     if not ready:
         raise RuntimeError(f"server did not start: {detail}")
-    pid = server.proc.pid
-    rss: list[tuple[float, float]] = []
-    sampling = threading.Event()
     t0 = time.monotonic()
-
-    def sample() -> None:
-        while not sampling.is_set():
-            value = rss_mb(pid)
-            if value is not None:
-                rss.append((time.monotonic() - t0, value))
-            sampling.wait(2.0)
-
-    threading.Thread(target=sample, daemon=True).start()
     record: list[tuple] = []
 
     async def main() -> tuple[int | None, float]:
@@ -161,10 +128,11 @@ def run_mix(name: str, classes: dict[str, int], args, vocab: int) -> dict[str, A
         return code, seconds
 
     try:
-        code, sigterm_seconds = asyncio.run(main())
+        with RssSampler(server.proc.pid, every=2.0) as sampler:
+            code, sigterm_seconds = asyncio.run(main())
     finally:
-        sampling.set()
         server.stop()
+    rss = sampler.samples
     end = t0 + args.duration
     per_class: dict[str, Any] = {}
     for kind in classes:
@@ -173,16 +141,16 @@ def run_mix(name: str, classes: dict[str, int], args, vocab: int) -> dict[str, A
         per_class[kind] = {
             "clients": classes[kind], "requests": len(rows), "statuses": dict(Counter(str(r[1]) for r in rows)),
             "answered_per_s": len(answered) / args.duration,
-            "p50_s": pct(answered, 50), "p99_s": pct(answered, 99),
+            "p50_s": percentile(answered, 50), "p99_s": percentile(answered, 99),
         }
     after_sigterm = Counter(str(r[1]) for r in record if r[3] > end)
-    warm = [m for t, m in rss if t >= args.warmup]
+    warm = sampler.since(args.warmup)
     log_text = server.log_text()
     result = {
         "mix": name, "classes": per_class, "duration_s": args.duration,
         "rss_mb": {"start": rss[0][1] if rss else None, "after_warmup": warm[0] if warm else None,
                    "peak_after_warmup": max(warm) if warm else None, "end": rss[-1][1] if rss else None,
-                   "peak": max((m for _, m in rss), default=None),
+                   "peak": sampler.peak_mb,
                    "growth_after_warmup": (max(warm) / warm[0] - 1) if warm else None},
         "sigterm": {"exit_code": code, "seconds": sigterm_seconds, "after_sigterm_statuses": dict(after_sigterm),
                     "aborted": "terminate called" in log_text},
@@ -214,7 +182,7 @@ def variant_goals(by_mix: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--model-dir", required=True, help="the packed draft to serve (e.g. runs/demo/model)")
     ap.add_argument("--duration", type=int, default=300, help="seconds of traffic per mix")
     ap.add_argument("--warmup", type=int, default=60, help="seconds after which RSS must stay flat")
@@ -223,10 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="short clients in every mix (default: each mix's own, 24)")
     ap.add_argument("--serve-args", default="", help="extra `specdraft serve` options, e.g. '--threads 1'")
     ap.add_argument("--work", default="runs/bench_soak", help="where the servers' logs go")
-    ap.add_argument("--out", default="runs/bench_soak/soak.json")
+    add_out_argument(ap, "runs/bench_soak/soak.json")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    log_to_console()
     Path(args.work).mkdir(parents=True, exist_ok=True)
     vocab = int(load_config(args.model_dir).vocab_size)
     mixes = {name: {kind: (args.short_clients if kind in SHORT_KINDS and args.short_clients else n)
@@ -240,10 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                  if alone["answered_per_s"] else None,
                  "short_p99_ratio": mixed["p99_s"] / alone["p99_s"] if alone["p99_s"] and mixed["p99_s"] else None}
     goals.update(variant_goals(by_mix))
-    report = {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), "results": results,
-              "goals": goals, "machine": os.uname().nodename, **run_metadata()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    save_result("soak", {"results": results, "goals": goals}, args.out)
     print(json.dumps({"goals": goals, "per_mix": {r["mix"]: {
         "classes": {k: {"answered_per_s": round(v["answered_per_s"], 2), "p50_s": v["p50_s"], "p99_s": v["p99_s"],
                         "statuses": v["statuses"]} for k, v in r["classes"].items()},

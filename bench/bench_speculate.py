@@ -6,7 +6,7 @@
 Without --draft it builds a *stand-in* draft (the target's first 4 layers, ``--standin-layers``), which
 exercises the code path but is not a trained draft: its figures say nothing about the goal (>= 1.5x).
 
-Two parts, both written under --out:
+Two parts, both written under --out (a folder), and together to ``bench/results/speculate.<cpu class>.json``:
 
 1. ``cost_model.json``: per-forward times of the target (1 token, and k+1 tokens on a KV cache: a verify
    pass) and of one draft decode step, measured in this process; from them, for every k, the mean number
@@ -19,14 +19,15 @@ Two parts, both written under --out:
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from harness import argument_parser, forward_seconds, save_result
+from specdraft.core.io import read_json
 
 PROMPTS = [
     ("code", "Write a Python function that checks whether a string is a palindrome, with a docstring."),
@@ -46,43 +47,11 @@ def write_prompts(path: Path) -> Path:
     return path
 
 
-def _time_forward(model, n: int, context: int, repeats: int, clock: str = "cpu", forward: str = "model") -> float:
-    """Median time of one forward of n tokens on a cache of ``context``: the model's own forward, or a decode
-    step as the speculative draft runs it (``CachedDraftModel``: ``forward`` "lean" = specdraft.lean,
-    "compiled" = its torch.compile'd steps)."""
-    from specdraft.drafting.cached import CachedDraftModel
-    from specdraft.model.decode import crop_cache, extend
-
-    drafter = CachedDraftModel(model, lean=forward != "model", compile=forward == "compiled")
-    cache = drafter.cache
-    with torch.inference_mode():
-        extend(model, list(range(100, 100 + context)), cache, 0, logits_to_keep=1)
-        keep = 1 if n == 1 else 0  # a decode step keeps the last logits; a verify pass needs all
-
-        def run() -> None:
-            if forward != "model":
-                drafter.feed([5] * n, context)
-            else:
-                extend(model, [5] * n, cache, context, logits_to_keep=keep)
-
-        for _ in range(2):  # warm (and compile: a fresh cache, then one that crop left as views)
-            run()
-            crop_cache(cache, context)
-        now = time.process_time if clock == "cpu" else time.perf_counter
-        times = []
-        for _ in range(repeats):
-            t0 = now()
-            run()
-            times.append(now() - t0)
-            crop_cache(cache, context)
-    return statistics.median(times)
-
-
 def cost_model(target, drafts: dict, ks: list[int], context: int = 96, repeats: int = 7, clock: str = "cpu") -> dict:
     """``drafts``: name -> (model, forward: "model" | "lean" | "compiled")."""
-    t1 = _time_forward(target, 1, context, repeats, clock)
-    verify = {k: _time_forward(target, k + 1, context, repeats, clock) for k in ks}
-    draft_step = {name: _time_forward(m, 1, context, repeats, clock, forward)
+    t1 = forward_seconds(target, 1, context, repeats, clock)
+    verify = {k: forward_seconds(target, k + 1, context, repeats, clock) for k in ks}
+    draft_step = {name: forward_seconds(m, 1, context, repeats, clock, forward)
                   for name, (m, forward) in drafts.items()}
     rows = []
     for name, d in draft_step.items():
@@ -99,7 +68,7 @@ def cost_model(target, drafts: dict, ks: list[int], context: int = 96, repeats: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argument_parser(__doc__)
     ap.add_argument("--out", type=Path, default=Path("runs/bench_speculate"))
     ap.add_argument("--target", default=None, help="target spec (default: the embedded SmolLM2-135M)")
     ap.add_argument("--draft", default=None, help="draft model dir, URL or 'lookup' (default: build the stand-in)")
@@ -153,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         note = (f"Draft = STAND-IN: the target's first {args.standin_layers} layers (+ final norm and tied head), "
                 "untrained. These figures exercise the code path; they are not the trained draft's.")
     prompts = args.prompts or write_prompts(out / "prompts.jsonl")
+    figures: dict[str, Any] = {}
 
     if not args.skip_cost_model and Path(draft).is_dir():
         target = load_model(target_spec)
@@ -166,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         cm["threads"] = torch.get_num_threads()
         cm["note"] = note
         (out / "cost_model.json").write_text(json.dumps(cm, indent=2) + "\n")
+        figures["cost_model"] = cm
         print(f"target step {cm['target_step_ms']:.1f} ms; verify " +
               ", ".join(f"k={k}: {v:.1f} ms" for k, v in cm["verify_ms"].items()) + "; draft step " +
               ", ".join(f"{n}: {v:.1f} ms" for n, v in cm["draft_step_ms"].items()))
@@ -175,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'' if r['feasible'] else '  (infeasible: > k)'};  ceiling {r['max_speedup_all_accepted']:.2f}x")
         del target, drafts
 
+    rc = 0
     if not args.skip_speculate:
         cfg = SpeculateConfig(target=target_spec, draft=draft, prompts=prompts, out=out,
                               max_new_tokens=args.max_new_tokens, k=ks, num_prompts=args.num_prompts,
@@ -184,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
                               **({} if args.draft_confidence is None else {"draft_confidence": args.draft_confidence}),
                               note=note or None, clock=args.clock,
                               hybrid_min_ngram=args.hybrid_min_ngram or None, also_draft=args.also_draft)
-        return run_speculate(cfg)
-    return 0
+        rc = run_speculate(cfg)
+        figures["speculate"] = read_json(out / "speculate.json")
+    if figures:
+        save_result("speculate", figures)
+    return rc
 
 
 if __name__ == "__main__":

@@ -7,12 +7,14 @@ prompts in file order, ``batch_size`` at a time, left-padded, ``do_sample=False`
 compared row by row with the first run (generate pads after EOS, so rows are compared up to and
 including the EOS). Wall time and process CPU time are both reported: on a shared machine, tokens per
 CPU-second (with --threads 1) is the steadier figure.
-Batch-1 latency per token is measured for both (EOS ignored, so every run has the same length).
+Batch-1 latency per token is measured for both (EOS ignored, so every run has the same length). The result goes
+to ``bench/results/traces.<cpu class>.json`` and to --out.
 
-    python bench/bench_traces.py      # the defaults: what BENCHMARKS.md reports (about 10 minutes, 1 thread)
-    python bench/bench_traces.py --num-prompts 200 --batch-sizes 16,32,64 --generate-batch-sizes 8,16,32 \
-        --latency-tokens 64          # the longer run with long prompts, also in BENCHMARKS.md (~45 minutes)
-    python bench/bench_traces.py --num-prompts 24 --batch-sizes 16 --generate-batch-sizes 8 --max-new-tokens 32
+    .venv/bin/python bench/bench_traces.py      # the defaults (about 10 minutes, 1 thread)
+    .venv/bin/python bench/bench_traces.py --num-prompts 200 --batch-sizes 16,32,64 --generate-batch-sizes 8,16,32 \
+        --latency-tokens 64                    # the longer run with long prompts (~45 minutes)
+    .venv/bin/python bench/bench_traces.py --num-prompts 24 --batch-sizes 16 --generate-batch-sizes 8 \
+        --max-new-tokens 32
 
 Prompts: ``--prompts prompts.jsonl`` (first N), else a seeded mix of the training files in
 ../shared/data/train (UltraChat, ShareGPT first turns, Code Alpaca, GSM8K, InstructionWild, GPTeacher
@@ -22,19 +24,17 @@ as a prompts.jsonl (for `specdraft traces`) and exits.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import resource
-import shlex
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+from harness import RssSampler, add_out_argument, argument_parser, command, save_result, stopwatch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TRAIN = ROOT.parent / "shared" / "data" / "train"
@@ -92,35 +92,6 @@ def mixed_prompts(n: int, seed: int = 0, train_dir: Path = SHARED_TRAIN) -> list
 
 
 # ------------------------------------------------------------------------------------------- measuring
-
-class PeakRSS:
-    """Peak resident memory of this process while the block runs (sampled every 10 ms), in MiB."""
-
-    def __enter__(self):
-        self.base = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _run(self):
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self._rss())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-
-    @property
-    def growth_mb(self) -> float:
-        return round((self.peak - self.base) / 2**20, 1)
-
 
 def cut_at_eos(tokens: Sequence[int], eos: set[int], limit: int) -> list[int]:
     out: list[int] = []
@@ -184,15 +155,13 @@ def batch1_latency(model, prompt, tokens, pad_id) -> dict[str, Any]:
                        ("specdraft (DynamicCache)", lambda n: ours("dynamic", n)),
                        ("generate()", gen)]:
         make(4)()  # warm
-        t0, c0 = time.perf_counter(), time.process_time()
-        make(1)()
-        prefill_s, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
-        t0, c0 = time.perf_counter(), time.process_time()
-        make(tokens)()
-        total, total_cpu = time.perf_counter() - t0, time.process_time() - c0
-        per_token = (total - prefill_s) / (tokens - 1)
-        per_token_cpu = (total_cpu - prefill_cpu) / (tokens - 1)
-        result[name] = {"prompt_tokens": len(prompt), "new_tokens": tokens, "prefill_ms": round(prefill_s * 1e3, 1),
+        with stopwatch() as prefill:
+            make(1)()
+        with stopwatch() as total:
+            make(tokens)()
+        per_token = (total.wall - prefill.wall) / (tokens - 1)
+        per_token_cpu = (total.cpu - prefill.cpu) / (tokens - 1)
+        result[name] = {"prompt_tokens": len(prompt), "new_tokens": tokens, "prefill_ms": round(prefill.wall * 1e3, 1),
                         "ms_per_token": round(per_token * 1e3, 2), "tokens_per_s": round(1 / per_token, 2),
                         "cpu_ms_per_token": round(per_token_cpu * 1e3, 2)}
     return result
@@ -201,7 +170,7 @@ def batch1_latency(model, prompt, tokens, pad_id) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------------- main
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argument_parser(__doc__)
     p.add_argument("--target", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", type=Path, default=None, help="prompts.jsonl to take the first N prompts from")
     p.add_argument("--num-prompts", type=int, default=80)
@@ -220,20 +189,17 @@ def parse_args(argv=None):
                         "machine: on the idle 2-vCPU box 2 threads were ~1.5x faster at batch 16, but 2-4x "
                         "slower while other processes competed for the cores")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench_traces.json"))
+    add_out_argument(p, "bench_traces.json")
     p.add_argument("--write-prompts", type=Path, default=None, help="write the prompt mix as prompts.jsonl, exit")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
-    print(f"command: {command}", flush=True)
-    from specdraft.core.io import atomic_write_json
-    from specdraft.core.provenance import run_metadata
+    print(f"command: {command()}", flush=True)
     from specdraft.core.records import read_prompts
     from specdraft.model.chat import encode_prompts
-    from specdraft.model.decode import eos_token_ids, pad_token_id
+    from specdraft.model.forward import eos_token_ids, pad_token_id
     from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_model, load_tokenizer
 
     target = args.target or DEFAULT_TARGET
@@ -281,14 +247,14 @@ def main(argv=None) -> int:
                                                                             pad, eos, sort=True)))
     reference: dict[int, list[int]] | None = None
     for name, b, fn in plan:
-        with PeakRSS() as mem:
-            t0, c0 = time.perf_counter(), time.process_time()
+        with RssSampler(every=0.01) as mem, stopwatch() as lap:
             rows = fn()
-            secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+        secs, cpu = lap.wall, lap.cpu
         ntok = sum(len(r) for r in rows.values())
+        growth_mb = round(mem.peak_mb - mem.samples[0][1], 1)
         run = {"method": name, "batch_size": b, "seconds": round(secs, 2), "cpu_seconds": round(cpu, 2),
                "new_tokens": ntok, "tokens_per_s": round(ntok / secs, 2), "tokens_per_cpu_s": round(ntok / cpu, 2),
-               "rss_growth_mb": mem.growth_mb, "eos_rows": sum(1 for r in rows.values() if r and r[-1] in eos)}
+               "rss_growth_mb": growth_mb, "eos_rows": sum(1 for r in rows.values() if r and r[-1] in eos)}
         if reference is None:
             reference = rows
         else:
@@ -296,7 +262,7 @@ def main(argv=None) -> int:
         runs.append(run)
         same = run.get("vs_first")
         print(f"  {name:18s} batch {b:3d}: {ntok} tokens in {secs:7.1f} s = {ntok / secs:6.1f} tok/s, "
-              f"{cpu:7.1f} CPU s = {ntok / cpu:6.1f} tok/CPU-s (RSS +{mem.growth_mb} MiB)"
+              f"{cpu:7.1f} CPU s = {ntok / cpu:6.1f} tok/CPU-s (RSS +{growth_mb} MiB)"
               + (f", rows identical to the first run {same['identical_rows']}/{same['rows']}" if same else ""),
               flush=True)
 
@@ -337,7 +303,7 @@ def main(argv=None) -> int:
                   f"{r['cpu_ms_per_token']} |")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\npeak RSS of the process (ru_maxrss): {peak:.0f} MiB")
-    report = {"command": command, "target": describe_source(target), "num_prompts": len(prompts),
+    report = {"target": describe_source(target), "num_prompts": len(prompts),
               "prompt_tokens": {"min": lengths[0], "median": lengths[len(lengths) // 2], "max": lengths[-1],
                                 "total": sum(lengths)},
               "sources": sorted({r["source"] for r in records}), "max_new_tokens": args.max_new_tokens,
@@ -346,9 +312,8 @@ def main(argv=None) -> int:
               "best": {"specdraft": ours_best, "generate": gen_best, "speedup": speedup,
                        "by_cpu_time": {"specdraft": ours_cpu, "generate": gen_cpu, "speedup": speedup_cpu},
                        "vs_generate_sorted_by_cpu_time": {"generate-sorted": sorted_best, "speedup": speedup_sorted}},
-              "batch1_latency": latency, "peak_rss_mb": round(peak, 1), "run": run_metadata()}
-    atomic_write_json(args.out, report)
-    print(f"wrote {args.out}")
+              "batch1_latency": latency, "peak_rss_mb": round(peak, 1)}
+    save_result("traces", report, args.out)
     return 0
 
 

@@ -80,12 +80,15 @@ class FakeLane:
 
 
 class FakeEngine:
-    """Duck-typed engine for ``create_app``: its lanes are ``FakeLane``s (``lanes`` keeps them)."""
+    """A ``server.engine.DraftEngine`` for ``create_app``: its lanes are ``FakeLane``s (``lanes`` keeps them)."""
 
     name, compute, vocab_size, max_positions = "fake", "float32", 1000, 272
 
     def __init__(self, delay=0.0, fail_when=None, gate: threading.Event | None = None):
         self.delay, self.fail_when, self.gate, self.lanes = delay, fail_when, gate, []
+        # what ``model.loader.resolve_compute`` says of a compute given on the command line
+        self.compute_choice = {"compute": self.compute, "prefill": self.compute, "requested": self.compute,
+                               "reason": f"--compute {self.compute}"}
 
     def lane(self, slots, capacity, num_draft):
         lane = FakeLane(slots, capacity, num_draft, self.vocab_size, self.delay, self.gate, self.fail_when)

@@ -10,11 +10,23 @@ import pytest
 
 import specdraft.demo as demo
 from specdraft.data.corpus import heldout_path
+from specdraft.demo import pipeline, steps
+from specdraft.demo.plan import Plan
+from specdraft.drafting.spec import DrafterSpec
 from specdraft.model.compat import PipelineModels
+from specdraft.model.specs import DEFAULT_TARGET
+from specdraft.reports import demo as report
 from specdraft.stages.pack import PackResult
 
 # the target's measured pass costs: a pass over 5 tokens (k = 4) costs two one-token steps
 PASS_SECONDS = {"1": 0.02, "3": 0.03, "5": 0.04}
+
+
+SPECS = {"torch": {"draft": DrafterSpec("draft"), "draft+lookup": DrafterSpec("draft", behind_lookup=True),
+                   "lookup": DrafterSpec("lookup"), "self": DrafterSpec("self")},
+         "llama.cpp": {name: DrafterSpec(name, "llama.cpp") for name in ("draft", "lookup", "self", "ngram",
+                                                                          "self-4bit")}}
+SPECS["llama.cpp"]["draft+lookup"] = DrafterSpec("draft", "llama.cpp", behind_lookup=True)
 
 
 def _speculate_report(rows, engine="torch", baseline=20.0, verdict=(), **extra):
@@ -27,6 +39,7 @@ def _speculate_report(rows, engine="torch", baseline=20.0, verdict=(), **extra):
                                 "per_k": {str(k): {"accepted_per_step": 1.0, "speedup_median": s, "speedup_range": r,
                                                    "predicted_speedup": p, "equal_to_plain_greedy": equal}}}
                          for name, (k, s, r, p, equal, _) in rows.items()},
+            "drafter_specs": {name: SPECS[engine][name].to_json() for name in rows},
             "prediction": {"engine": engine, "verdict": list(verdict), "costs": {"pass_seconds": PASS_SECONDS},
                            "drafters": {name: {str(k): {"predicted_speedup": p,
                                                         "draft_cost_per_token_vs_target_step": cost}}
@@ -79,11 +92,12 @@ def _stub_run(tmp_path, monkeypatch, audit_exit=0, llama=False, run=(), files=No
         calls.append(name)
         stages[name] = {"fingerprint": fingerprint, "result": fn() if name in run else None}
         return stages[name]["result"]
-    monkeypatch.setattr(demo, "_stage", stage)
-    monkeypatch.setattr(demo, "llama_cpp_available", lambda: llama)
-    monkeypatch.setattr(demo, "run_selfcheck", lambda cfg: calls.append("selfcheck") or 0)
-    monkeypatch.setattr(demo, "run_audit", lambda cfg: calls.append(f"audit {cfg.run_dir}") or audit_exit)
-    monkeypatch.setattr(demo, "check_pipeline_models", lambda target, init: PipelineModels(
+    monkeypatch.setattr(pipeline, "run_stage", stage)
+    monkeypatch.setattr(pipeline, "plan", lambda budget, stages, threads: NO_PLAN)  # no probe of this machine
+    monkeypatch.setattr(steps, "llama_cpp_available", lambda: llama)
+    monkeypatch.setattr(steps, "run_selfcheck", lambda cfg: calls.append("selfcheck") or 0)
+    monkeypatch.setattr(steps, "run_audit", lambda cfg: calls.append(f"audit {cfg.run_dir}") or audit_exit)
+    monkeypatch.setattr(pipeline, "check_pipeline_models", lambda target, init: PipelineModels(
         target=target, model_type="llama", vocab_rows=49152, tokenizer_entries=49152, draft_init=init,
         lean_forward=True, gguf_export=True))
     run_dir = tmp_path / "demo"
@@ -93,12 +107,24 @@ def _stub_run(tmp_path, monkeypatch, audit_exit=0, llama=False, run=(), files=No
     return run_dir, calls, stages
 
 
-def _benchmarks(tmp_path, monkeypatch, blocks: dict[str, str]):
-    """A BENCHMARKS.md holding only these blocks."""
-    path = tmp_path / "BENCHMARKS.md"
-    path.write_text("# Benchmarks\n\n" + "".join(f"<!-- {n} -->\n{text}\n<!-- /{n} -->\n\n"
-                                                  for n, text in blocks.items()))
-    monkeypatch.setattr(demo, "BENCHMARKS", path)
+NO_PLAN = Plan(machine={"cpu": "CPU", "cpu_family": "1", "cpu_model": "2", "cpu_class": "avx2", "cpus": 2},
+               threads=1, probe_seconds=0.1, speed_vs_reference=None, expected_seconds={}, reference_machine=None)
+MACHINE = {"cpu": "AMD EPYC", "cpu_family": "25", "cpu_model": "17", "cpu_class": "avx512-bf16", "cpus": 2}
+LLAMA_RESULT = {"bench": "llamacpp_speed", "command": "specdraft speculate --engine llama.cpp", "date": "2026-12-04",
+                "machine": MACHINE, "figures": {"target": "SmolLM2-135M-Instruct Q4_1", "plain_tokens_per_s": 88.7,
+                                                "drafters": [{"label": "llama rows", "best_k": 1, "speedup": 0.77,
+                                                              "range": [0.75, 0.78], "predicted": 0.84}]}}
+
+
+def _references(tmp_path, results: dict[str, dict]) -> str:
+    """A results folder holding only these (bench/results/<name>.json)."""
+    folder = tmp_path / "results"
+    folder.mkdir(exist_ok=True)
+    for old in folder.glob("*.json"):
+        old.unlink()
+    for name, result in results.items():
+        (folder / f"{name}.json").write_text(json.dumps(result))
+    return str(folder)
 
 
 @pytest.mark.parametrize("audit_exit", [0, 1])
@@ -117,7 +143,7 @@ def test_with_llama_cpp_installed_the_demo_speculates_there_with_the_exported_dr
     run, calls, stages = _stub_run(tmp_path, monkeypatch, llama=True, run=("speculate_llama_cpp",),
                                    files={"speculate_llama_cpp/speculate.json": LLAMA_REPORT})
     configs = []
-    monkeypatch.setattr(demo, "run_speculate", lambda cfg: configs.append(cfg) or 0)
+    monkeypatch.setattr(steps, "run_speculate", lambda cfg: configs.append(cfg) or 0)
     demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(tmp_path / "eval.jsonl"), budget=budget, threads=1))
     assert calls.index("export") < calls.index("speculate") < calls.index("speculate_llama_cpp") < calls.index(
         "selfcheck")
@@ -137,7 +163,7 @@ def test_with_llama_cpp_installed_the_demo_speculates_there_with_the_exported_dr
 
 def test_the_pack_stages_record_the_bytes_the_pack_wrote(tmp_path, monkeypatch):
     run, _, stages = _stub_run(tmp_path, monkeypatch, run=("pack", "pack_self"))
-    monkeypatch.setattr(demo, "run_pack", lambda cfg: PackResult(bytes=4321 if cfg.out.endswith("model") else 8765))
+    monkeypatch.setattr(steps, "run_pack", lambda cfg: PackResult(bytes=4321 if cfg.out.endswith("model") else 8765))
     demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(tmp_path / "eval.jsonl")))
     assert stages["pack"]["result"] == {"bytes": 4321} and stages["pack_self"]["result"] == {"bytes": 8765}
     summary = json.loads((run / "demo_summary.json").read_text())
@@ -147,11 +173,18 @@ def test_the_pack_stages_record_the_bytes_the_pack_wrote(tmp_path, monkeypatch):
         run / "demo_summary.md").read_text()
 
 
-def test_without_shared_data_the_demo_uses_the_packaged_corpus(tmp_path, monkeypatch):
-    monkeypatch.setattr(demo, "SHARED_DATA", tmp_path / "no-shared")
-    assert demo._default_manifest() is None  # the built-in default: the packaged corpus
-    path, kind = demo._default_eval_set()
-    assert path == str(heldout_path()) and "held-out" in kind
+def test_without_shared_data_the_demo_uses_the_packaged_corpus(tmp_path):
+    for shared in (None, str(tmp_path / "no-shared")):
+        run = steps.Run(demo.DemoConfig(shared_data=shared), demo.BUDGETS["small"], tmp_path, "init", 0, None)
+        assert run.manifest is None  # the built-in default: the packaged corpus
+        path, kind = run.eval_set
+        assert path == str(heldout_path()) and "held-out" in kind
+    (tmp_path / "shared" / "dev").mkdir(parents=True)
+    (tmp_path / "shared" / "dev" / "mt_bench.jsonl").write_text("{}\n")
+    run = steps.Run(demo.DemoConfig(shared_data=str(tmp_path / "shared")), demo.BUDGETS["small"], tmp_path, "i", 0,
+                    None)
+    assert run.eval_set == (str(tmp_path / "shared" / "dev" / "mt_bench.jsonl"), "MT-bench (../shared)")
+    assert run.manifest == str(steps.SHARED_MANIFEST)
 
 
 def test_the_summary_says_what_the_draft_saw_and_what_its_numbers_mean(tmp_path, monkeypatch):
@@ -165,8 +198,8 @@ def test_the_summary_says_what_the_draft_saw_and_what_its_numbers_mean(tmp_path,
     assert "28 steps over 11200 tokens in 2.9 min; the draft starts as 24 of the target's layers." in text
     assert "52 points" in text and "16 prompts" in text
     # each row's meaning, and the speculation measured over passes, labelled with its engine and baseline
-    for name, (label, meaning) in demo.DRAFTERS.items():
-        assert f"| {label} |" in text and meaning in text
+    for name, spec in pipeline.EVAL_DRAFTERS.items():
+        assert f"| {spec.label} |" in text and spec.description in text
     assert "## Speed in specdraft's own engine (torch, float32 target), against its own plain greedy decoding" in text
     assert "6 prompts x 64 tokens, 3 pass(es)" in text
     assert "| self-draft | 16 | 1.90x | 1.80x to 2.00x | 2.00x |" in text
@@ -184,9 +217,9 @@ def test_the_summary_says_what_the_draft_saw_and_what_its_numbers_mean(tmp_path,
     assert ("it is the trained draft's acceptance that falls short: a drafted token costs it 0.40x a target step, so "
             "with every token accepted it would reach at most 1.30x, and it keeps 1.00 drafted tokens per step") in text
     assert "at best level with prompt lookup" not in text  # no fixed paragraph whatever the figures
-    # what the larger budgets reach, quoted from BENCHMARKS.md
-    reference = demo.benchmarks_block(demo.BUDGETS_BLOCK)
-    assert reference is not None and "| default |" in reference and "| full |" in reference and reference in text
+    # what the larger budgets reach, quoted from the measured results in bench/results (with their machine)
+    section = text[text.index("## What the larger budgets reach"):text.index("## Files and checks")]
+    assert "| default | AMD EPYC (family 25, model 17, avx512-bf16)" in section and "| full |" in section
 
 
 def _at_temperature(**pooled):
@@ -204,7 +237,6 @@ def test_the_acceptance_table_has_columns_at_temperature(tmp_path, monkeypatch):
     run, _, stages = _stub_run(tmp_path, monkeypatch, files=files)
     demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path())))
     text = (run / "demo_summary.md").read_text()
-    assert demo.SUMMARY_TEMPERATURES == ["0.7", "1.0"]
     assert "| per-prompt mean | sampling at T = 0.7 | sampling at T = 1.0 | what it is |" in text
     assert "| trained draft | 0.71 | 0.70 | 0.93 | 1.02 |" in text
     assert "| self-draft | 14.90 | 14.80 | 12.25 | 11.50 |" in text
@@ -215,43 +247,41 @@ def test_the_acceptance_table_has_columns_at_temperature(tmp_path, monkeypatch):
     for name, temperatures in (("eval_self", [0.0, 0.7, 1.0]), ("eval_lookup", [0.0, 0.7, 1.0]),
                                ("eval_init", [0.0, 0.7, 1.0])):
         fingerprint = stages[name]["fingerprint"]
-        assert fingerprint["temperatures"] == temperatures and fingerprint["target"] == demo.DEFAULT_TARGET
+        assert fingerprint["temperatures"] == temperatures and fingerprint["target"] == DEFAULT_TARGET
 
 
 def test_without_llama_cpp_the_summary_quotes_its_speed_and_says_how_to_measure_it(tmp_path, monkeypatch):
-    _benchmarks(tmp_path, monkeypatch, {"demo-budgets": "| budget | ... |", "llama-cpp-speed": "| llama rows |"})
+    results = _references(tmp_path, {"llamacpp_speed.avx512-bf16": LLAMA_RESULT})
     run, _, _ = _stub_run(tmp_path, monkeypatch)
-    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path())))
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), reference_results=results))
     text = (run / "demo_summary.md").read_text()
     assert "## Speed in llama.cpp (the engine CPU users run)" in text
     assert "Not measured in this run: llama-cpp-python is not installed. `make install-llama`, then `make demo`" in text
     assert "| llama rows |" in text and "In llama.cpp" not in text  # quoted, and no verdict drawn from it
 
     # a target without a GGUF file of its own: why, and the command that measures it
-    hub = dict(target="hub:org/model@main", draft_init="truncate:2")
+    hub = dict(target="hub:org/model@main", draft_init="truncate:2", reference_results=results)
     demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), **hub))
     text = (run / "demo_summary.md").read_text()
     assert "Not measured in this run: llama-cpp-python is not installed" in text  # the first reason that holds
     assert "| llama rows |" not in text  # the embedded target's figures are not this target's
-    monkeypatch.setattr(demo, "llama_cpp_available", lambda: True)
+    monkeypatch.setattr(steps, "llama_cpp_available", lambda: True)
     demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), **hub))
     text = (run / "demo_summary.md").read_text()
     assert "the target hub:org/model@main brings no GGUF file of its own" in text and "--target-gguf FILE" in text
-    monkeypatch.setattr(demo, "llama_cpp_available", lambda: False)
+    monkeypatch.setattr(steps, "llama_cpp_available", lambda: False)
 
-    # BENCHMARKS.md without the block: one line says so
-    _benchmarks(tmp_path, monkeypatch, {"demo-budgets": "| budget | ... |"})
-    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path())))
+    # no measured results beside the installation: one line says so
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), reference_results=None))
     text = (run / "demo_summary.md").read_text()
-    assert "(No `llama-cpp-speed` block in a BENCHMARKS.md beside this installation" in text
-    assert "| budget | ... |" in text
+    assert "(No measured results beside this installation: see the repository's BENCHMARKS.md.)" in text
 
 
 def test_with_llama_cpp_the_summary_gives_its_speed_and_the_verdict_says_nothing_pays_there(tmp_path, monkeypatch):
-    _benchmarks(tmp_path, monkeypatch, {"llama-cpp-speed": "| llama rows |"})
+    results = _references(tmp_path, {"llamacpp_speed.avx512-bf16": LLAMA_RESULT})
     run, _, _ = _stub_run(tmp_path, monkeypatch, llama=True,
                           files={"speculate_llama_cpp/speculate.json": LLAMA_REPORT})
-    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path())))
+    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), reference_results=results))
     text = (run / "demo_summary.md").read_text()
     section = text[text.index("## Speed in llama.cpp"):text.index("## Verdict")]
     assert "llama-cpp-python 0.3.36, the target's own file `SmolLM2-135M-Instruct-Q4_1.gguf`, 2 threads" in section
@@ -276,18 +306,18 @@ def test_with_llama_cpp_the_summary_gives_its_speed_and_the_verdict_says_nothing
             "step, so with every token accepted it would reach at most 0.37x.") in verdict
     summary = json.loads((run / "demo_summary.json").read_text())
     assert summary["speculate_llama_cpp"]["drafters"]["self"]["equal_to_plain_greedy"] == 0.75
-    assert "llama_cpp_reference" not in summary
+    assert summary["llama_cpp_not_measured"] is None
 
 
 def test_the_verdict_follows_the_figures():
     def summary(torch_rows, llama_rows=None):
-        return {"acceptance": {}, "speculate": demo._speculate_summary(_speculate_report(torch_rows)),
-                "speculate_llama_cpp": llama_rows and demo._speculate_summary(_speculate_report(llama_rows,
-                                                                                               "llama.cpp"))}
+        return {"acceptance": {}, "speculate": pipeline.speculate_summary(_speculate_report(torch_rows)),
+                "speculate_llama_cpp": llama_rows and pipeline.speculate_summary(_speculate_report(llama_rows,
+                                                                                                  "llama.cpp"))}
 
     # the trained draft beats lookup beyond the noise, and pays in both engines
     paying = {"draft": (4, 1.5, [1.4, 1.6], 1.4, 1.0, 0.1), "lookup": (4, 1.1, [1.0, 1.2], 1.1, 1.0, 0.01)}
-    lines = demo.verdict(summary(paying, paying))
+    lines = report.verdict(summary(paying, paying))
     assert "In specdraft's own engine (torch, float32 target) the trained draft (1.50x) is faster than prompt " \
            "lookup (1.10x)." in lines
     # lookup's median is above 1x, but not every pass
@@ -298,7 +328,7 @@ def test_the_verdict_follows_the_figures():
 
     # nothing pays: the same words in neither engine
     slow = {"draft": (4, 0.7, [0.6, 0.8], 0.7, 1.0, 1.2), "lookup": (4, 0.97, [0.9, 1.02], 0.95, 1.0, 0.01)}
-    lines = demo.verdict(summary(slow, slow))
+    lines = report.verdict(summary(slow, slow))
     assert "In specdraft's own engine (torch, float32 target) no drafter beats its own plain greedy decoding " \
            "in each of the 3 passes." in lines
     assert any(line.startswith("In llama.cpp no drafter can pay on this machine") for line in lines)
@@ -308,13 +338,13 @@ def test_the_verdict_follows_the_figures():
 
     # a median above 1x whose range dips below it does not pay; without llama.cpp, no llama.cpp sentences
     noisy = {"draft": (4, 1.05, [0.95, 1.1], 1.0, 1.0, 0.3)}
-    lines = demo.verdict(summary(noisy))
+    lines = report.verdict(summary(noisy))
     assert any("no drafter beats" in line for line in lines) and not any("llama.cpp" in line for line in lines)
 
     # behind lookup the trained draft is faster than lookup alone beyond the noise, alone it is slower: both said
     split = {"draft": (8, 1.09, [1.09, 1.10], 1.16, 1.0, 0.3), "draft+lookup": (8, 1.16, [1.15, 1.17], 1.21, 1.0, 0.3),
              "lookup": (4, 1.11, [1.11, 1.12], 1.2, 1.0, 0.01)}
-    lines = demo.verdict(summary(split))
+    lines = report.verdict(summary(split))
     assert "In specdraft's own engine (torch, float32 target) the trained draft (1.09x) is slower than prompt " \
            "lookup (1.11x)." in lines
     assert "In specdraft's own engine (torch, float32 target) the trained draft behind lookup (1.16x) is faster " \
@@ -346,8 +376,8 @@ def test_the_draft_start_follows_the_target():
     assert demo.draft_start(embedded, demo.BUDGETS["default"]) == (init, demo.FROZEN_LAYERS)
     assert demo.draft_start(embedded, demo.BUDGETS["small"]) == (init, 0)  # small and full train every layer
     assert demo.draft_start(embedded, demo.BUDGETS["full"]) == (init, 0)
-    assert demo._describe_init({"draft_init": init, "frozen_layers": 12}) == ("24 of the target's layers, the first 12 "
-                                                                             "of them frozen")
+    assert report.describe_init({"draft_init": init, "frozen_layers": 12}) == ("24 of the target's layers, the first "
+                                                                              "12 of them frozen")
     cut = demo.DemoConfig(target="/models/mine", draft_init="truncate:3", freeze_layers=1)
     assert demo.draft_start(cut, demo.BUDGETS["small"]) == ("truncate:/models/mine:3", 1)
     pretrained = demo.DemoConfig(target="/models/mine", draft_init="/models/small")
@@ -364,7 +394,7 @@ def test_a_target_the_pipeline_cannot_carry_is_refused_before_any_stage(tmp_path
     from specdraft.model.compat import UnsupportedModelError
     from specdraft.model.tiny import build_tiny_model
     ran = []
-    monkeypatch.setattr(demo, "_stage", lambda *a: ran.append(a[1]))
+    monkeypatch.setattr(pipeline, "run_stage", lambda *a: ran.append(a[1]))
     other = build_tiny_model(tmp_path / "other", "qwen3", vocab_size=300)
     with pytest.raises(UnsupportedModelError, match="tokenizer is not the target's"):
         demo.run_demo(demo.DemoConfig(out=str(tmp_path / "run"), target=str(tiny_qwen3_dir), draft_init=str(other)))
@@ -373,10 +403,37 @@ def test_a_target_the_pipeline_cannot_carry_is_refused_before_any_stage(tmp_path
 
 def test_a_target_without_gguf_support_is_exported_for_transformers(tmp_path, monkeypatch):
     run, _, stages = _stub_run(tmp_path, monkeypatch)
-    monkeypatch.setattr(demo, "check_pipeline_models", lambda target, init: PipelineModels(
+    monkeypatch.setattr(pipeline, "check_pipeline_models", lambda target, init: PipelineModels(
         target=target, model_type="mistral", vocab_rows=320, tokenizer_entries=320, draft_init=init,
         lean_forward=False, gguf_export=False, notes=["no GGUF"]))
     demo.run_demo(demo.DemoConfig(out=str(run), target="/models/mistral", draft_init="truncate:1"))
     assert stages["export"]["fingerprint"]["format"] == "hf"
     assert stages["export"]["fingerprint"]["out"] == str(run / "export" / "hf")
     assert "speculate_llama_cpp" not in stages
+
+
+def test_the_plan_scales_the_reference_run_by_the_probe_and_by_each_stages_work(monkeypatch):
+    from specdraft.demo import plan as plan_mod
+    small, default = demo.BUDGETS["small"], demo.BUDGETS["default"]
+    reference = {"machine": MACHINE, "probe_seconds": 0.2, "units": plan_mod.stage_units(small),
+                 "stage_seconds": {"traces": 90.0, "train": 150.0, "audit": 5.0}}
+    monkeypatch.setattr(plan_mod, "reference", lambda: reference)
+    monkeypatch.setattr(plan_mod, "probe_seconds", lambda: 0.1)  # this machine runs the probe twice as fast
+    expected = plan_mod.plan(small, ["traces", "train", "eval_init"], threads=1)
+    assert expected.speed_vs_reference == 2.0
+    assert expected.expected_seconds == {"traces": 45.0, "train": 75.0}  # no reference for eval_init: none said
+    bigger = plan_mod.plan(default, ["traces"], threads=1)
+    work = (default.trace_prompts * default.trace_tokens) / (small.trace_prompts * small.trace_tokens)
+    assert bigger.expected_seconds["traces"] == pytest.approx(45.0 * work)
+    assert "expected wall time 2.0 min" in expected.lines()[0] and "AMD EPYC" in expected.lines()[0]
+    monkeypatch.setattr(plan_mod, "reference", lambda: None)
+    assert plan_mod.plan(small, ["traces"], threads=1).expected_seconds == {}
+
+
+def test_the_packaged_reference_names_its_machine_and_covers_every_marked_stage():
+    from specdraft.demo import plan as plan_mod
+    reference = plan_mod.reference()
+    assert reference is not None and reference["budget"] == "small" and reference["probe_seconds"] > 0
+    assert reference["units"] == plan_mod.stage_units(demo.BUDGETS["small"])  # recorded with today's budget
+    assert {"traces", "train", "eval_trained", "speculate"} <= set(reference["stage_seconds"])
+    assert reference["machine"]["cpu_class"] in ("avx2", "avx512", "avx512-bf16", "amx")

@@ -10,7 +10,7 @@ import specdraft.demo as demo
 from specdraft.core.io import read_json
 from specdraft.data.corpus import MANIFEST_FILE, heldout_path
 from specdraft.model.tiny import build_tiny_model
-from specdraft.rehearsal import QWEN3_TOKENIZER_DIR, RehearseConfig, _traces_check, run_rehearsal, summary_markdown
+from specdraft.rehearsal import QWEN3_TOKENIZER_DIR, RehearseConfig, run_rehearsal, summary_markdown, traces_check
 
 TOKENIZER = QWEN3_TOKENIZER_DIR / "tokenizer"
 needs_qwen3_tokenizer = pytest.mark.skipif(not (TOKENIZER / "tokenizer.json").is_file(),
@@ -59,10 +59,10 @@ def test_the_traces_check_fails_on_a_prompt_or_answer_out_of_shape(tmp_path, bro
     (tmp_path / "traces").mkdir()
     (tmp_path / "traces" / "traces.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "traces" / "traces.summary.json").write_text(json.dumps({"chat_template": True}))
-    assert not _traces_check(tmp_path)["ok"]
+    assert not traces_check(tmp_path)["ok"]
     rows[0].update(prompt_ids=prompt, completion_ids=[9707, 151645])
     (tmp_path / "traces" / "traces.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert _traces_check(tmp_path)["ok"]
+    assert traces_check(tmp_path)["ok"]
 
 
 @pytest.mark.slow

@@ -101,7 +101,7 @@ def run_rehearsal(cfg: RehearseConfig) -> int:
                                                                            "stage of `specdraft demo` finished"))]
         checks += [_check(name, fn) for name, fn in (
             ("tokenizer and template", lambda: _tokenizer_check(target)),
-            ("traces: non-thinking prompts, answers end at <|im_end|>", lambda: _traces_check(run_dir)),
+            ("traces: non-thinking prompts, answers end at <|im_end|>", lambda: traces_check(run_dir)),
             ("draft init: from_pretrained of the draft dir", lambda: _init_check(run_dir, draft)),
             ("heads: target untied, draft tied", lambda: _heads_check(target, run_dir)),
             ("pack: 151,936-row embedding, bytes = estimate", lambda: _pack_check(run_dir)),
@@ -180,7 +180,7 @@ def _tokenizer_check(target: Path) -> Check:
                     f"{rendered.endswith(NON_THINKING_TAIL)}")
 
 
-def _traces_check(run_dir: Path) -> Check:
+def traces_check(run_dir: Path) -> Check:
     tok = tokenizer_from_dir(run_dir / "reference" / "target")
     tail = tok(NON_THINKING_TAIL, add_special_tokens=False)["input_ids"]
     rows = _rows(run_dir / "traces" / "traces.jsonl")

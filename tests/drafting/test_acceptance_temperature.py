@@ -15,8 +15,8 @@ from specdraft.drafting.cached import CachedDraftModel
 from specdraft.drafting.hybrid import HybridDrafter
 from specdraft.drafting.lookup import LookupDrafter, lookup_draft
 from specdraft.drafting.metrics import ExpectedAcceptanceStats, expected_accepted_length
-from specdraft.model.decode import naive_greedy
 from specdraft.model.sampling import SamplingParams, warp_probs
+from specdraft.model.simple_decode import naive_greedy
 
 
 def _load(path):

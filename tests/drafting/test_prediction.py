@@ -81,7 +81,7 @@ def test_target_costs_are_measured_for_every_size(target_and_draft):
 
 def test_bench_reports_predictions_beside_measurements(target_and_draft):
     target, other = target_and_draft
-    drafters = [("lookup", LookupDrafter(), {}), ("other", ModelDrafter(other, max_batch_size=1), {})]
+    drafters = [("lookup", LookupDrafter()), ("other", ModelDrafter(other, max_batch_size=1))]
     result = run_speculation_bench(target, drafters, [Prompt(str(i), p) for i, p in enumerate(PROMPTS)], [2, 4],
                                    16, warmup=False, predict=True)
     prediction = result["prediction"]

@@ -17,7 +17,7 @@ from specdraft.core.records import ValidationPoint
 from specdraft.drafting.base import DrafterError
 from specdraft.drafting.lookup import lookup_draft
 from specdraft.drafting.remote import AdaptiveLimit, HTTPDrafter
-from specdraft.model.decode import naive_greedy
+from specdraft.model.simple_decode import naive_greedy
 from specdraft.server.process import ServerProcess
 from specdraft.stages.evaluate import EvalConfig, run_eval
 

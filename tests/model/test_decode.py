@@ -5,21 +5,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdraft.model.decode import (
-    DraftSampling,
-    SlotDecoder,
-    draft_batch,
-    draft_rows,
-    greedy_decode,
-    iter_greedy,
-    left_pad,
-    naive_draft,
-    naive_greedy,
-    prefill_group,
-    supports_slot_cache,
-    top_alternatives,
-)
+from specdraft.model.decode import draft_batch, draft_rows, greedy_decode, iter_greedy, prefill_group
+from specdraft.model.forward import left_pad
+from specdraft.model.generation import DraftSampling, top_alternatives
 from specdraft.model.sampling import SamplingParams, warp_probs
+from specdraft.model.simple_decode import naive_draft, naive_greedy
+from specdraft.model.slot_engine import SlotDecoder, supports_slot_cache
 
 
 def _load(path):
@@ -174,7 +165,7 @@ def test_kv_cache_is_freed_when_the_step_ends_not_at_the_next_gc(tiny_qwen3_dir)
     layers, so its KV tensors waited for Python's cyclic GC. Plain reference counting must free them."""
     import gc
 
-    from specdraft.model.decode import SlotCache
+    from specdraft.model.slot_engine import SlotCache
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
     gc.collect()
     before = {id(o) for o in gc.get_objects() if type(o) is SlotCache}  # other tests' servers may hold theirs

@@ -66,7 +66,8 @@ def test_the_151936_row_pack_matches_its_estimate_and_loads_as_the_float_model(q
 
 
 def test_the_qwen3_gguf_export_is_read_by_llama_cpp_with_the_targets_vocabulary(qwen3_pair, tmp_path):
-    llamacpp = pytest.importorskip("specdraft.model.llamacpp")
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (`make install-llama`)")
+    from specdraft.model import llamacpp
     target, draft = qwen3_pair
     files = {}
     for name, src in (("target", target), ("draft", draft)):

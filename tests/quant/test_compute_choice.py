@@ -102,9 +102,9 @@ def test_the_real_timer_times_each_kind_once_per_shape_and_rows():
     timer = ModuleTimer(group_size=32, repeats=1)
     shape = LinearShape(64, 64)
     seconds = [timer(kind, shape, rows) for kind in ("f32", "bf16", "int4", "int4-head") for rows in (1, 4)]
-    assert all(s > 0 for s in seconds) and len(timer._modules) == 4
+    assert all(s > 0 for s in seconds) and len(timer.modules) == 4
     wide = LinearShape(3 * 8192, 64)  # timed on PROBE_OUT_FEATURES rows and scaled
-    assert timer("f32", wide, 1) > 0 and ("f32", 8192, 64) in timer._modules
+    assert timer("f32", wide, 1) > 0 and ("f32", 8192, 64) in timer.modules
 
 
 def test_linear_shapes_count_the_model_and_mark_the_head(tiny_qwen3_dir):

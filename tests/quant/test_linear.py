@@ -68,7 +68,8 @@ def test_compute_formats_on_a_packed_model(packed_dir):
 
 
 def test_int4_prefill_runs_dense_bf16_and_decode_runs_the_codes(packed_dir, int4_kernel_calls):
-    from specdraft.model.decode import decode_step, left_pad, prefill
+    from specdraft.model.forward import left_pad
+    from specdraft.model.simple_decode import decode_step, prefill
     engine = load_engine(packed_dir, None, "int4")
     layers = [m for m in engine.model.modules() if isinstance(m, Int4Linear)]
     head = engine.model.get_output_embeddings()
@@ -107,7 +108,7 @@ def test_int4_prefill_runs_dense_bf16_and_decode_runs_the_codes(packed_dir, int4
 
 def test_int4_with_a_float32_prefill_prefills_as_float32_does_and_decodes_on_the_codes(packed_dir, int4_kernel_calls):
     """The float32 dense copy holds the codes' values: the prefill's logits are the float32 model's, bit for bit."""
-    from specdraft.model.decode import left_pad
+    from specdraft.model.forward import left_pad
     f32 = load_engine(packed_dir, None, "float32")
     mixed = load_engine(packed_dir, None, "int4", prefill="float32")
     body = [m for m in mixed.model.modules() if isinstance(m, Int4Linear) and m.phase is not None]

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fakes import FakeLane, expected
-from specdraft.model.decode import DraftSampling, draft_batch, draft_rows
+from specdraft.model.decode import draft_batch, draft_rows
+from specdraft.model.generation import DraftSampling
 from specdraft.model.sampling import SamplingParams
 from specdraft.server.engine import SlotLane
 from specdraft.server.scheduler import (

@@ -24,11 +24,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fakes import FakeEngine
-from specdraft.model.decode import DraftSampling
+from specdraft.model.generation import DraftSampling
 from specdraft.model.sampling import SamplingParams
 from specdraft.server.app import SHUTDOWN_MARGIN_S, bind_socket, create_app, every, make_server, url_of
 from specdraft.server.config import ServeConfig
-from specdraft.server.engine import heap_trimmer, load_engine
+from specdraft.server.engine import DraftEngine, heap_trimmer, load_engine
 from specdraft.server.process import ServerProcess
 
 START_TIMEOUT = 120
@@ -179,6 +179,7 @@ def test_concurrent_requests_get_their_single_request_drafts(live, packed_dir):
     assert all(len(s["draft_ids"]) == r.get("num_tokens", 16) for s, r in zip(single, requests))
     # The server returns the model's own greedy draft (same weights, same int4 kernel, in process).
     engine = load_engine(packed_dir, None, "int4")
+    assert isinstance(engine, DraftEngine)
     assert [s["draft_ids"] for s in single[:4]] == [
         engine.draft([r["token_ids"]], r.get("num_tokens", 16))[0] for r in requests[:4]]
     after = metric_samples(url)
@@ -618,7 +619,8 @@ def test_health_is_503_until_the_weights_are_loaded(monkeypatch, packed_dir):
     cfg = ServeConfig(model_dir=str(packed_dir), threads=1)
     with ThreadServer(create_app(cfg), cfg) as srv:
         r = httpx.get(srv.url + "/health")
-        assert r.status_code == 503 and r.json()["status"] == "loading"
+        assert r.status_code == 503 and r.json() == {"status": "loading", "model": None, "compute": None,
+                                                     "detail": None, "compute_choice": None}
         r = httpx.post(srv.url + "/draft", json={"token_ids": [1]})
         assert r.status_code == 503 and r.json()["error"] == "not_ready" and "retry-after" in r.headers
         # the request schema is known before the weights: bad input is still a 4xx
@@ -627,6 +629,16 @@ def test_health_is_503_until_the_weights_are_loaded(monkeypatch, packed_dir):
         health = wait_healthy(srv.url, 60)
         assert health["compute"] == health["compute_choice"]["compute"] and health["compute_choice"]["reason"]
         assert httpx.post(srv.url + "/draft", json={"token_ids": [1], "num_tokens": 2}).status_code == 200
+
+
+def test_health_reports_what_the_engine_declares():
+    engine = FakeEngine()
+    assert isinstance(engine, DraftEngine)  # it declares what /health reads: name, compute, compute_choice
+    cfg = fake_config()
+    with ThreadServer(create_app(cfg, engine), cfg) as srv:
+        r = httpx.get(srv.url + "/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok", "model": "fake", "compute": "float32",
+                                                 "detail": None, "compute_choice": engine.compute_choice}
 
 
 def test_failed_load_reports_failed_health(tmp_path, packed_dir):
@@ -643,6 +655,7 @@ def test_failed_load_reports_failed_health(tmp_path, packed_dir):
         wait_until(lambda: failures, what="the load failure")
         r = httpx.get(srv.url + "/health")
         assert r.status_code == 503 and r.json()["status"] == "failed" and "checksum" in r.json()["detail"]
+        assert r.json()["model"] is None and r.json()["compute_choice"] is None  # no engine to describe
 
 
 def test_graceful_shutdown_answers_requests_in_flight():

@@ -16,7 +16,7 @@ from specdraft.drafting.base import Drafter, DrafterError
 from specdraft.drafting.batched import ModelDrafter
 from specdraft.drafting.lookup import LookupDrafter, lookup_draft
 from specdraft.drafting.remote import HTTPDrafter
-from specdraft.model.decode import naive_greedy
+from specdraft.model.simple_decode import naive_greedy
 from specdraft.stages.evaluate import EvalConfig, run_eval
 
 

@@ -13,8 +13,9 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from specdraft.cli import main
 from specdraft.core.io import read_json, sha256_file
 from specdraft.core.records import load_validation
-from specdraft.model.decode import cache_kwargs, draft_batch
+from specdraft.model.decode import draft_batch
 from specdraft.model.export import ASSISTED_GENERATION
+from specdraft.model.forward import cache_kwargs
 from specdraft.model.loader import load_draft
 from specdraft.model.tiny import build_tiny_model
 from specdraft.stages.export import ExportConfig, run_export

@@ -139,7 +139,7 @@ def test_train_with_labels_records_them_and_keeps_them_out_of_the_held_out_set(t
 
 def test_on_policy_labels_are_the_drafts_continuations_with_the_targets_argmax(tiny_qwen3_dir, tmp_path):
     """--answers-from: every prompt (with a response or not) continued by the draft, labelled by the target."""
-    from specdraft.model.decode import naive_greedy
+    from specdraft.model.simple_decode import naive_greedy
     from specdraft.model.tiny import build_tiny_model
     draft_dir = build_tiny_model(tmp_path / "draft", "qwen3", layers=1, seed=7)
     prompts = _prompts(tmp_path / "prompts.jsonl")

@@ -6,15 +6,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from specdraft.core.wire import DRAFT_TOKENS
 from specdraft.drafting.base import Drafter, NoDraft
 from specdraft.drafting.batched import ModelDrafter
 from specdraft.drafting.cached import CachedDraftModel
 from specdraft.drafting.calibration import AcceptanceCalibration
 from specdraft.drafting.hybrid import HybridDrafter
 from specdraft.drafting.lookup import LookupDrafter, lookup_draft
+from specdraft.drafting.spec import DrafterSpec
 from specdraft.drafting.speculative import speculative_generate
-from specdraft.model.decode import cache_kwargs, crop_cache, draft_batch, greedy_decode
-from specdraft.stages.speculate import SpeculateConfig, load_prompts, run_speculate
+from specdraft.model.decode import draft_batch, greedy_decode
+from specdraft.model.forward import cache_kwargs, crop_cache
+from specdraft.stages.speculate import SpeculateConfig, drafter_specs, in_process_settings, load_prompts, run_speculate
 
 K_VALUES = [1, 2, 4, 8, 16]
 
@@ -125,6 +128,7 @@ def test_cached_int4_draft_catches_up_on_the_codes(tiny_llama_dir, int4_kernel_c
 
     draft, _ = load_draft(tiny_llama_dir, "int4")
     body = [m for m in draft.modules() if isinstance(m, Int4Linear) and m.phase is not None]
+    layers = draft.config.num_hidden_layers
     ctx = [5, 9, 14, 3, 22, 7]
     for lean in (True, False):
         cached = CachedDraftModel(draft, lean=lean)
@@ -133,7 +137,11 @@ def test_cached_int4_draft_catches_up_on_the_codes(tiny_llama_dir, int4_kernel_c
             cached.draft_one(ctx + got + [11], 2)  # feeds got[-1] and 11: two tokens at positions 8, 9
         rows = [args[0].shape[0] for args in calls]
         head_calls = 2  # the head runs on the codes in every pass (one row per forward: logits_to_keep=1)
-        assert sorted(rows) == sorted([2] * len(body) + [1] * len(body) + [1] * head_calls), lean
+        # one call per body layer and pass; the lean forward fuses q/k/v into one call per layer where the fused
+        # kernel gives the three calls' bits on this CPU (``model.lean``)
+        per_pass = rows.count(2)
+        assert per_pass in ((len(body), len(body) - 2 * layers) if lean else (len(body),)), (lean, rows)
+        assert sorted(rows) == sorted([2] * per_pass + [1] * per_pass + [1] * head_calls), lean
 
 
 def test_confident_draft_stops_after_its_first_unlikely_token(models):
@@ -222,8 +230,9 @@ def test_load_prompts_formats(tmp_path, tiny_qwen3_dir):
     path = tmp_path / "p.jsonl"
     rows = [{"id": "a", "prompt": "Write a poem."},
             {"question_id": 81, "turns": ["What is 12 times 7?", "And 13?"]},
-            {"id": "v", "category": "c", "offset": 0, "context_ids": [1, 2, 3], "target_ids": [4] * 16},
-            {"id": "v", "category": "c", "offset": 16, "context_ids": [1, 2, 3, 4], "target_ids": [4] * 16},
+            {"id": "v", "category": "c", "offset": 0, "context_ids": [1, 2, 3], "target_ids": [4] * DRAFT_TOKENS},
+            {"id": "v", "category": "c", "offset": DRAFT_TOKENS, "context_ids": [1, 2, 3, 4],
+             "target_ids": [4] * DRAFT_TOKENS},
             {"id": "t", "prompt_ids": [7, 8]}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     prompts = load_prompts(path, tok)
@@ -258,12 +267,12 @@ def test_run_speculate_report_matches_recomputation(tmp_path, tiny_qwen3_dir, ti
     # order of prompts and k, which a recomputation per k does not replay
     cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts=_prompt_file(tmp_path),
                           out=out, max_new_tokens=12, k=[1, 3], warmup=False, draft_stop="probability",
-                          draft_confidence=0.4)
+                          draft_confidence=0.4, draft_compute="int4")
     assert run_speculate(cfg) == 0
     report = json.loads((out / "speculate.json").read_text())
     assert report["lossless"] and not report["mismatches"]
     assert set(report["drafters"]) == {"draft", "draft+lookup", "lookup"}
-    assert report["provenance"]["drafters"]["draft"]["compute"] == "int4"  # the default, as the server runs it
+    assert report["provenance"]["drafters"]["draft"]["compute"] == "int4"  # as asked (the recomputation's)
     assert report["provenance"]["drafters"]["draft"]["min_confidence"] == cfg.draft_confidence == 0.4
     assert report["provenance"]["drafters"]["draft"]["stop"] == "probability"
     assert "stops a step's draft after a token it gives p < 0.4" in (out / "speculate.md").read_text()
@@ -297,7 +306,7 @@ def test_run_speculate_report_matches_recomputation(tmp_path, tiny_qwen3_dir, ti
 
 
 def test_run_speculate_flags_a_mismatch(tmp_path, tiny_qwen3_dir, monkeypatch):
-    from specdraft.model.decode import Generation
+    from specdraft.model.generation import Generation
     from specdraft.model.targets import TorchTarget
 
     def wrong_greedy(self, prompt, n):  # a "reference" that disagrees with the target
@@ -348,7 +357,7 @@ def test_draft_lean_on_off_and_both(tiny_qwen3_dir, tiny_llama_dir):
     for setting in ("on", "off", "both"):
         cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts="p", draft_lean=setting,
                               draft_confidence=0.0)  # always k: the two forwards compare over 4 tokens
-        by_name[setting] = {name: (p, src) for name, p, src in build_drafters(cfg, tok)}
+        by_name[setting] = {d.name: (d.drafter, d.source) for d in build_drafters(cfg, tok)}
     assert by_name["on"]["draft"][0].lean is not None and by_name["off"]["draft"][0].lean is None
     assert set(by_name["both"]) == {"draft", "draft-hf", "draft+lookup", "lookup"}
     assert by_name["both"]["draft-hf"][0].lean is None and by_name["both"]["draft-hf"][1]["lean"] is False
@@ -367,7 +376,7 @@ def test_draft_compile_on_off_and_both(tiny_qwen3_dir, tiny_llama_dir):
     for setting in ("on", "off", "both"):
         cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts="p",
                               draft_compile=setting)
-        by_name[setting] = {name: (p, src) for name, p, src in build_drafters(cfg, tok)}
+        by_name[setting] = {d.name: (d.drafter, d.source) for d in build_drafters(cfg, tok)}
     assert SpeculateConfig(draft="lookup", prompts="p").draft_compile == "on"
     assert isinstance(by_name["on"]["draft"][0].lean, CompiledSteps) and by_name["on"]["draft"][1]["compile"]
     assert isinstance(by_name["off"]["draft"][0].lean, LeanForward) and not by_name["off"]["draft"][1]["compile"]
@@ -378,8 +387,48 @@ def test_draft_compile_on_off_and_both(tiny_qwen3_dir, tiny_llama_dir):
     assert hybrid["on"].compiled and not hybrid["off"].compiled
     # without the lean forward there is nothing to compile
     off = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts="p", draft_lean="off")
-    draft = {name: p for name, p, _ in build_drafters(off, tok)}["draft"]
+    draft = {d.name: d.drafter for d in build_drafters(off, tok)}["draft"]
     assert draft.lean is None and not draft.compiled
+
+
+def test_drafter_specs_follow_the_config():
+    """Which drafters a config asks for, in the report's order, and how each in-process one drafts."""
+    def names(**fields):
+        return [spec.name for spec in drafter_specs(SpeculateConfig(prompts="p", **fields))]
+
+    assert names(draft="lookup") == ["lookup"]
+    assert names(draft="none") == ["lookup"]
+    assert names(draft="none", baseline_lookup=False) == []
+    assert names(draft="http://127.0.0.1:8000") == ["server", "draft+lookup", "lookup"]
+    server = drafter_specs(SpeculateConfig(prompts="p", draft="http://127.0.0.1:8000"))
+    assert server[1] == DrafterSpec("server", behind_lookup=True)
+    assert names(draft="d") == ["draft", "draft+lookup", "lookup"]
+    assert names(draft="d", hybrid_min_ngram=None, baseline_lookup=False) == ["draft"]
+    every = dict(draft="d", draft_cache="both", draft_stop="both", draft_lean="both", draft_compile="both",
+                 also_draft=["other=o", "self=s"])
+    assert names(**every) == ["draft", "draft-prob", "draft-eager", "draft-hf", "draft-reprefill", "draft+lookup",
+                              "lookup", "other", "other-prob", "self", "self-prob"]
+    assert names(draft="d", draft_lean="off", draft_compile="both") == ["draft", "draft+lookup", "lookup"]
+    assert names(engine="llama.cpp", draft="d.gguf", also_draft=["big=b.gguf"]) == [
+        "draft", "draft+lookup", "self", "big", "ngram", "lookup"]
+    assert names(engine="llama.cpp", draft="lookup", self_draft=False, ngram_baseline=False,
+                 baseline_lookup=False) == ["lookup"]
+    with pytest.raises(ValueError, match="name 'ngram' is taken"):
+        names(engine="llama.cpp", draft="none", also_draft=["ngram=x.gguf"])
+    # how each in-process drafter drafts: the config's settings, its variant changing one of them
+    cfg = SpeculateConfig(prompts="p", **every)
+    settings = {spec.name: in_process_settings(cfg, spec) for spec in drafter_specs(cfg)
+                if spec.role in ("draft", "self", "named") and not spec.behind_lookup}
+    assert settings["draft"].record() == {"draft_cache": "keep", "lean": True, "compile": True, "stop": "calibrated",
+                                          "min_confidence": 0.6}
+    assert (settings["draft-prob"].stop, settings["draft-prob"].min_confidence) == ("probability", 0.4)
+    assert (settings["draft-eager"].lean, settings["draft-eager"].compile) == (True, False)
+    assert (settings["draft-hf"].lean, settings["draft-hf"].compile) == (False, False)
+    assert settings["draft-reprefill"].record() == {"draft_cache": "reprefill"}
+    assert settings["self"] == settings["draft"] and settings["other-prob"] == settings["draft-prob"]
+    only = SpeculateConfig(prompts="p", draft="d", draft_cache="reprefill", also_draft=["other=o"])
+    assert [in_process_settings(only, spec).cache for spec in drafter_specs(only)
+            if spec.role in ("draft", "named")] == ["reprefill", "reprefill", "keep"]  # draft, its hybrid, also
 
 
 def test_hybrid_drafter_asks_the_model_only_where_lookup_has_nothing():
@@ -444,16 +493,17 @@ def test_also_draft_runs_more_draft_models_in_the_same_sweep(tmp_path, tiny_qwen
             SpeculateConfig(draft="lookup", prompts="p", also_draft=bad)
     cfg = SpeculateConfig(target=str(tiny_qwen3_dir), draft=str(tiny_llama_dir), prompts=_prompt_file(tmp_path),
                           out=tmp_path / "out", max_new_tokens=8, k=[2], warmup=False, draft_compile="off",
-                          also_draft=[f"self={tiny_qwen3_dir}"])
+                          also_draft=[f"self={tiny_qwen3_dir}"], draft_compute="int4")
     tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
-    proposers = {name: (p, src) for name, p, src in build_drafters(cfg, tok)}
+    proposers = {d.name: (d.drafter, d.source) for d in build_drafters(cfg, tok)}
     assert list(proposers) == ["draft", "draft+lookup", "lookup", "self"]
     own, src = proposers["self"]
     assert isinstance(own, CachedDraftModel) and src["path"] == str(tiny_qwen3_dir) and src["compute"] == "int4"
     assert own.model is not proposers["draft"][0].model
     assert own.stop == "calibrated" and own.min_confidence == 0.6 and src["stop"] == "calibrated"
     # --draft-stop both: each in-process draft also with the probability rule, as NAME-prob
-    both = {name: (p, src) for name, p, src in build_drafters(cfg.model_copy(update={"draft_stop": "both"}), tok)}
+    both = {d.name: (d.drafter, d.source)
+            for d in build_drafters(cfg.model_copy(update={"draft_stop": "both"}), tok)}
     assert list(both) == ["draft", "draft-prob", "draft+lookup", "lookup", "self", "self-prob"]
     for name in ("draft", "self"):
         calibrated, probability = both[name][0], both[f"{name}-prob"][0]
@@ -467,6 +517,10 @@ def test_also_draft_runs_more_draft_models_in_the_same_sweep(tmp_path, tiny_qwen
     report = json.loads((tmp_path / "out" / "speculate.json").read_text())
     assert report["lossless"] and set(report["drafters"]) == {"draft", "draft+lookup", "lookup", "self"}
     assert report["provenance"]["drafters"]["self"]["path"] == str(tiny_qwen3_dir)
+    # each drafter's spec beside its name: what it is, without parsing the name
+    specs = {name: DrafterSpec.from_json(spec) for name, spec in report["drafter_specs"].items()}
+    assert specs == {"draft": DrafterSpec("draft"), "draft+lookup": DrafterSpec("draft", behind_lookup=True),
+                     "lookup": DrafterSpec("lookup"), "self": DrafterSpec("self")}
     markdown = (tmp_path / "out" / "speculate.md").read_text()
     assert "| self |" in markdown and "accepted (calibrated during the run) is < 0.6" in markdown
 

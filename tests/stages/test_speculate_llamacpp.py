@@ -6,6 +6,7 @@ import pytest
 
 from specdraft.cli import main
 from specdraft.core.io import read_json
+from specdraft.drafting.spec import DrafterSpec
 from specdraft.stages.export import ExportConfig, run_export
 from specdraft.stages.pack import PackConfig, run_pack
 from specdraft.stages.speculate import SpeculateConfig, run_speculate
@@ -40,6 +41,9 @@ def test_every_llama_cpp_row_from_one_command(files, tmp_path, capsys):
     assert set(report["drafters"]) == {"draft", "draft+lookup", "self", "ngram", "lookup"}
     assert report["provenance"]["target"]["gguf"] == str(target)
     assert report["provenance"]["drafters"]["draft"]["gguf"] == str(draft)
+    specs = {name: DrafterSpec.from_json(spec) for name, spec in report["drafter_specs"].items()}
+    assert specs["draft+lookup"] == DrafterSpec("draft", "llama.cpp", behind_lookup=True)
+    assert all(spec.engine == "llama.cpp" and spec.name == name for name, spec in specs.items())
     for res in report["drafters"].values():
         for row in res["per_k"].values():
             assert row["predicted_speedup"] > 0 and 0 <= row["equal_to_plain_greedy"] <= 1
@@ -50,6 +54,7 @@ def test_every_llama_cpp_row_from_one_command(files, tmp_path, capsys):
     full = report["full_precision"]
     assert set(full["drafters"]) == {"self-4bit"} and full["baseline"]["tokens_per_s"] > 0
     assert full["drafter_sources"]["self-4bit"]["gguf"] == str(target)
+    assert DrafterSpec.from_json(full["drafter_specs"]["self-4bit"]) == DrafterSpec("self-4bit", "llama.cpp")
     f32 = out / "target.F32.gguf"
     assert full["target"]["gguf"] == str(f32) and read_json(f32.with_name(f32.name + ".json"))["file_type"] == "F32"
     text = (out / "speculate.md").read_text()

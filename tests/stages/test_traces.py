@@ -19,18 +19,20 @@ from specdraft.cli import main
 from specdraft.core.io import RecordFileError, jsonl_line, repair_jsonl, sha256_file
 from specdraft.core.records import read_prompts
 from specdraft.model.chat import encode_prompts
-from specdraft.model.decode import Generation, greedy_decode, naive_greedy
+from specdraft.model.decode import greedy_decode
+from specdraft.model.generation import Generation
+from specdraft.model.simple_decode import naive_greedy
+from specdraft.model.trace_backend import TraceBackend
+from specdraft.model.trace_vllm import VLLMBackend, vllm_generation
 from specdraft.stages.traces import (
     MergeTracesConfig,
     TracesConfig,
     ValidationConfig,
-    VLLMBackend,
     evaluation_points,
     parse_shard,
     run_merge_traces,
     run_traces,
     run_validation,
-    vllm_generation,
 )
 
 TEXTS = ["Write a Python function that returns the sum of a list.", "What is 12 times 7?",
@@ -180,7 +182,7 @@ def test_traces_killed_subprocess_resumes(tiny, tmp_path):
     args = ["traces", "--target", str(tiny[0]), "--prompts", str(prompts), "--out", str(out),
             "--max-new-tokens", "8", "--batch-size", "2", "--device", "cpu"]
     # Slow each decode step down so that the kill lands mid-run.
-    code = ("import sys, time, specdraft.model.decode as d\n"
+    code = ("import sys, time, specdraft.model.slot_engine as d\n"
             "step = d.SlotDecoder.step\n"
             "d.SlotDecoder.step = lambda self: (time.sleep(0.05), step(self))[1]\n"
             "from specdraft.cli import main\n"
@@ -222,7 +224,7 @@ def test_traces_shards_limit_and_settings_guard(tiny, tmp_path):
                                 max_new_tokens=4, limit=7, shard="0/2"))
 
 
-SLOW_SHARD = ("import sys, time, specdraft.model.decode as d\n"
+SLOW_SHARD = ("import sys, time, specdraft.model.slot_engine as d\n"
               "step = d.SlotDecoder.step\n"
               "d.SlotDecoder.step = lambda self: (time.sleep(0.05), step(self))[1]\n"
               "from specdraft.cli import main\n"
@@ -424,6 +426,22 @@ def test_vllm_generation_rejects_aborted():
         vllm_generation(out, {2})
 
 
+def test_a_backend_without_top_logprobs_is_refused_before_decoding(tiny, tmp_path):
+    """--top-logprobs with a backend that cannot return them fails before any prompt is decoded, rather than
+    writing rows without the distribution train --kd-stored reads."""
+    module, made = _fake_vllm(tiny[1].generation_config.eos_token_id)
+    backend = VLLMBackend(str(tiny[0]), tensor_parallel_size=1, chunk=8, vllm_module=module)
+    assert not backend.supports_top_logprobs
+    out = tmp_path / "traces.jsonl"
+    cfg = TracesConfig(target=str(tiny[0]), prompts=_write_prompts(tmp_path / "prompts.jsonl", 2), out=out,
+                       max_new_tokens=4, top_logprobs=2)
+    with pytest.raises(ValueError, match="backend 'vllm' cannot return them"):
+        run_traces(cfg, backend=backend)
+    assert made["llm"].calls == [] and out.read_text() == ""
+    with pytest.raises(ValueError, match="hf backend only"):
+        next(backend.generate([[3, 4]], 4, top_logprobs=2))
+
+
 def test_vllm_backend_without_vllm_is_a_clear_error(tiny, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     with pytest.raises(ValueError, match="needs the vllm package"):
@@ -472,7 +490,7 @@ def test_validation_points_follow_the_greedy_continuation(tiny, tmp_path):
     assert sorted((r["id"], r["offset"]) for r in again) == sorted((r["id"], r["offset"]) for r in rows)
 
 
-class _ShortOrLongBackend:
+class _ShortOrLongBackend(TraceBackend):
     """A fake backend: 3 tokens (too few for a point) for the prompts in ``short``, 8 for the others."""
 
     name = "fake"
@@ -480,7 +498,7 @@ class _ShortOrLongBackend:
     def __init__(self, short: set[tuple[int, ...]], summary: Path):
         self.short, self.summary, self.decoded = short, summary, []
 
-    def generate(self, prompts, max_new_tokens):
+    def generate(self, prompts, max_new_tokens, top_logprobs=0):
         for i, p in enumerate(prompts):
             self.decoded.append(tuple(p))
             n = 3 if tuple(p) in self.short else 8
@@ -504,3 +522,27 @@ def test_validation_remembers_prompts_without_points(tiny, tmp_path):
     res = run_validation(cfg, backend=again)
     assert again.decoded == [] and res.new_prompts == 0  # prompt 1 is not decoded again
     assert res.summary_data["ids_without_points"] == ["1"]
+
+
+def test_the_stage_closes_the_backend_it_builds_and_not_one_passed_in(tiny, tmp_path, monkeypatch):
+    path, _, tok = tiny
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": TEXTS[i]}) + "\n" for i in range(3)))
+    closed = []
+
+    class Closing(_ShortOrLongBackend):
+        def close(self):
+            closed.append(self)
+
+    summary = tmp_path / "built" / "validation.summary.json"
+    built = Closing({tuple(encode_prompts(tok, TEXTS[1:2])[0])}, summary)
+    monkeypatch.setattr("specdraft.stages.traces.make_backend", lambda cfg: built)
+    run_validation(ValidationConfig(target=str(path), prompts=prompts, out=summary.parent / "validation.jsonl",
+                                    max_new_tokens=8, num_draft=4))
+    assert closed == [built] and len(built.decoded) == 3
+    summary = tmp_path / "given" / "validation.summary.json"
+    given = Closing({tuple(encode_prompts(tok, TEXTS[1:2])[0])}, summary)
+    res = run_validation(ValidationConfig(target=str(path), prompts=prompts, out=summary.parent / "validation.jsonl",
+                                          max_new_tokens=8, num_draft=4), backend=given)
+    assert closed == [built] and len(given.decoded) == 3
+    assert res.summary_data["this_run"]["backend"] == "fake"  # TraceBackend.info's default record

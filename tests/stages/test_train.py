@@ -15,22 +15,17 @@ from specdraft.core.config import add_config_arguments, config_from_args
 from specdraft.core.io import sha256_file
 from specdraft.core.records import Example, read_traces
 from specdraft.drafting.metrics import accepted_length
+from specdraft.drafting.simulated import simulated_acceptance
 from specdraft.model.batching import collate, scored_positions
 from specdraft.model.decode import greedy_decode
+from specdraft.model.distill import distill_loss, heldout_loss, make_batches, stored_kd_loss
 from specdraft.model.loader import load_packed_model
 from specdraft.model.tiny import build_tiny_model
 from specdraft.model.truncate import parse_truncate_spec, truncate_layers
 from specdraft.quant import q4g
 from specdraft.quant.qat import enable_qat
 from specdraft.stages.pack import PackConfig, run_pack
-from specdraft.stages.train import (
-    TrainConfig,
-    heldout_loss,
-    make_batches,
-    run_train,
-    simulated_acceptance,
-    split_heldout,
-)
+from specdraft.stages.train import TrainConfig, run_train, split_heldout
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +139,7 @@ def test_the_head_at_the_scored_positions_alone_trains_as_the_full_head(tiny_tar
             scored = scored_positions(labels)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                            logits_to_keep=scored).logits
-            loss, _ = train_stage.distill_loss(logits, labels, teacher[scored], 0.5, 2.0)
+            loss, _ = distill_loss(logits, labels, teacher[scored], 0.5, 2.0)
         else:  # the naive reference
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
             keep = labels[:, 1:] != -100
@@ -367,7 +362,7 @@ def test_qat_training_scores_the_model_that_packing_will_produce(tiny_traces, ti
     ids = torch.tensor([heldout[0].input_ids])
     assert not torch.equal(packed(input_ids=ids).logits, saved(input_ids=ids).logits)  # rounding matters here
     # What training selected and scored is exactly what the packed file computes.
-    assert simulated_acceptance(packed, heldout, 16, 0).mean_accepted_pooled == meta["best"]["sim_accept"]
+    assert simulated_acceptance(packed, heldout, cfg.num_draft, 0).mean_accepted_pooled == meta["best"]["sim_accept"]
     assert heldout_loss(packed, heldout, 0) == pytest.approx(meta["best"]["heldout_loss"], rel=1e-5)
 
 
@@ -387,8 +382,8 @@ def test_stored_kd_over_the_whole_vocabulary_is_the_full_kl():
     labels = torch.tensor([[-100, -100, 3, 1, 4], [-100, 2, 2, 5, 0]])
     scored = scored_positions(labels)
     for t in (1.0, 2.0):
-        full, parts_full = train_stage.distill_loss(student[scored], labels, teacher[scored], 0.5, t)
-        stored, parts = train_stage.stored_kd_loss(student[scored], _stored_batch(teacher, 7, labels), 0.5, t)
+        full, parts_full = distill_loss(student[scored], labels, teacher[scored], 0.5, t)
+        stored, parts = stored_kd_loss(student[scored], _stored_batch(teacher, 7, labels), 0.5, t)
         assert float(stored) == pytest.approx(float(full), rel=1e-5)
         assert parts["kl"] == pytest.approx(parts_full["kl"], rel=1e-5)
 
@@ -399,7 +394,7 @@ def test_stored_kd_with_top_k_renormalises_the_teachers_k_and_reads_the_draft_th
     labels = torch.tensor([[-100, 4, 6]])
     batch = _stored_batch(teacher, 3, labels)
     batch["top_mask"][0, 2] = False  # the last position has no stored distribution: CE only
-    _, parts = train_stage.stored_kd_loss(student[scored_positions(labels)], batch, 1.0, 1.0)
+    _, parts = stored_kd_loss(student[scored_positions(labels)], batch, 1.0, 1.0)
     # by hand: position 0 predicts token 1, the only one with a stored distribution (the teacher's at 0)
     p = torch.softmax(batch["top_logprobs"][0, 1], -1)
     q = torch.log_softmax(student[0, 0], -1)[batch["top_ids"][0, 1]]

@@ -11,7 +11,8 @@ import torch
 from transformers import DynamicCache
 
 from specdraft.drafting.base import DraftDistributions, Drafter
-from specdraft.model.decode import draft_batch, extend
+from specdraft.model.decode import draft_batch
+from specdraft.model.forward import extend
 from specdraft.model.sampling import GREEDY, SamplingParams, sample_from, warp_probs
 
 

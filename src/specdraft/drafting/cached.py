@@ -13,7 +13,7 @@ from specdraft.drafting.base import DraftDistributions, Drafter
 from specdraft.drafting.batched import model_path_probs
 from specdraft.drafting.calibration import AcceptanceCalibration
 from specdraft.drafting.metrics import accepted_length
-from specdraft.model.decode import crop_cache, extend
+from specdraft.model.forward import crop_cache, extend
 from specdraft.model.lean import CompiledSteps, lean_forward
 from specdraft.model.sampling import GREEDY, SamplingParams, sample_from, warp_probs
 from specdraft.quant.linear import is_prefill

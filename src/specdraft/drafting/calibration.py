@@ -8,7 +8,7 @@ from typing import Sequence
 # Where an in-process draft stops a step's draft, per rule (``SpeculateConfig.draft_stop``). "probability": the
 # token's own top probability, the rule and threshold of transformers' assisted generation; "calibrated": the
 # estimated probability that the whole draft so far is accepted (``AcceptanceCalibration``), a threshold chosen
-# by replaying both rules on real drafts (bench/bench_draft_stop.py; BENCHMARKS.md).
+# by replaying both rules on real drafts (bench/bench_draft_stop.py; docs/history.md, "8. Speculate").
 DEFAULT_DRAFT_CONFIDENCE = {"probability": 0.4, "calibrated": 0.6}
 
 
@@ -17,7 +17,7 @@ class AcceptanceCalibration:
     probability, P(kept | every earlier token of its draft kept), counted over the run.
 
     A draft's probability alone says little about acceptance: a draft close to the target has most of its
-    low-probability tokens accepted, a weak one few (BENCHMARKS.md). Each bin starts from its own probability,
+    low-probability tokens accepted, a weak one few (docs/history.md). Each bin starts from its own probability,
     as if the draft were calibrated, worth ``prior_weight`` tokens.
     """
 

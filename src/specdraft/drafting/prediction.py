@@ -169,15 +169,15 @@ def verdict(costs: TargetCosts, ks: Sequence[int], per_drafter: dict[str, dict[s
     return lines
 
 
-def predict_speedups(target: TargetModel, drafters: Sequence[tuple[str, Drafter, dict]],
+def predict_speedups(target: TargetModel, drafters: Sequence[tuple[str, Drafter]],
                      prompts: Sequence[Sequence[int]], references: Sequence[Sequence[int]], ks: Sequence[int],
                      max_new_tokens: int, repeats: int = 5) -> dict[str, Any]:
-    """Measure the target's costs, replay every drafter at every k, and predict each speed-up."""
+    """Measure the target's costs, replay every (name, drafter) at every k, and predict each speed-up."""
     middle = sorted(prompts, key=len)[len(prompts) // 2]
     costs = measure_target_costs(target, middle, [k + 1 for k in ks] + list(range(1, max(ks) + 2)), repeats)
     measure_prefill(target, prompts, costs)
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    for name, drafter, _ in drafters:
+    for name, drafter in drafters:
         out[name] = {}
         for k in ks:
             replays = [replay_drafter(drafter, p, r, k, max_new_tokens) for p, r in zip(prompts, references)]

@@ -25,14 +25,12 @@ from typing import Any, Sequence
 import httpx
 import torch
 
+from specdraft.core.wire import MAX_TOP_ALTERNATIVES
 from specdraft.drafting.base import DraftDistributions, Drafter, DrafterError
 from specdraft.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# The most alternatives per token the server answers: q is known whole (and speculative sampling with the server's
-# drafts lossless) only when top_k is at most this.
-MAX_TOP_ALTERNATIVES = 64
 # 503 answers worth another try after Retry-After: the server is busy or still loading, not going away
 RETRYABLE_ERRORS = ("overloaded", "queue_full", "timeout", "not_ready")
 DEFAULT_PATIENCE_S = 600.0  # how long one request keeps retrying before the client gives up

@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 from specdraft.drafting.base import DraftDistributions, Drafter, DrafterError
 from specdraft.drafting.metrics import accepted_length
-from specdraft.model.decode import crop_cache, extend
+from specdraft.model.forward import crop_cache, extend
 from specdraft.model.sampling import GREEDY, SamplingParams, sample_from, warp_probs
 from specdraft.model.targets import TargetModel, TorchTarget, as_target
 

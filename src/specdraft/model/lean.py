@@ -8,10 +8,11 @@ cast per linear). One change leaves every value as it was: the int4 q/k/v projec
 (one bf16 cast of their input) on their concatenated codes where a probe shows the concatenation computes the
 same (the kernel packs rows in blocks).
 
-It runs decode steps and short cache extensions (``decode.SlotDecoder.step``, ``drafting.cached.CachedDraftModel``);
-prefills keep the model's own forward (the dense bf16 path of int4 layers). ``lean_unsupported(model)`` says
-why a model cannot take it; callers then use ``model(...)``. ``CompiledSteps`` runs its one-token steps through
-``torch.compile`` for callers whose every output is verified anyway.
+It runs decode steps and short cache extensions (``slot_engine.SlotDecoder.step``,
+``drafting.cached.CachedDraftModel``); prefills keep the model's own forward (the dense bf16 path of int4
+layers). ``lean_unsupported(model)`` says why a model cannot take it; callers then use ``model(...)``.
+``CompiledSteps`` runs its one-token steps through ``torch.compile`` for callers whose every output is verified
+anyway.
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ def resolve_compute(model: nn.Module, compute: ComputeSetting, prefill: Int4Pref
     CPU (``quant.compute_choice.choose_compute`` on the model's own shapes and the stage's ``workload``); ``auto``
     off the CPU is bfloat16, the accelerators' matmul format (the int4 kernel is torch's CPU one)."""
     if compute != "auto":
-        return {"compute": compute, "prefill": prefill, "requested": compute, "reason": f"--compute {compute}"}
+        return {"compute": compute, "prefill": prefill if compute == "int4" else compute, "requested": compute,
+                "reason": f"--compute {compute}"}
     if torch.device(device).type != "cpu":
         return {"compute": "bfloat16", "prefill": "bfloat16", "requested": "auto",
                 "reason": f"bfloat16 on {device} (not measured: the int4 kernel is CPU-only, bf16 is the accelerator's "

@@ -13,7 +13,9 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from specdraft.model.decode import Generation, crop_cache, eos_token_ids, extend, greedy_decode
+from specdraft.model.decode import greedy_decode
+from specdraft.model.forward import crop_cache, eos_token_ids, extend
+from specdraft.model.generation import Generation
 
 
 class TargetModel(ABC):

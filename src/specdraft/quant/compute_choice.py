@@ -1,6 +1,6 @@
 """``--compute auto``: the linear-layer format that runs a stage's work fastest on this machine, by measurement.
 
-The same format is the fastest on one CPU and several times slower on another: the int4 kernel and bf16 matmuls
+The same format is the fastest on one CPU and far slower on another: the int4 kernel and bf16 matmuls
 pay on CPUs with AVX-512 bf16 or AMX and cost more than float32 where torch has AVX2 alone. So instead of a fixed
 default, ``choose_compute`` times each candidate (``CANDIDATES``: float32, bfloat16, and int4 decode steps with a
 dense bf16, a dense float32 or an int4 prefill) on the draft's own linear shapes, at the rows the stage runs
@@ -10,7 +10,7 @@ the candidates -- which one wins a tie and which are timed first --; the timing 
 
 The measurement runs the linear modules the model would run (``quant.linear``'s) on constant weights of its
 shapes, at the caller's thread count, and stops timing a candidate once it is far behind: the whole choice takes
-under a second or so. Attention and the rest of a forward do not depend on the format and are left out: the
+a small fraction of a load. Attention and the rest of a forward do not depend on the format and are left out: the
 choice compares formats, it does not predict a forward's time.
 """
 
@@ -169,12 +169,12 @@ class ModuleTimer:
     def __init__(self, group_size: int = q4g.DEFAULT_GROUP_SIZE, clock: Callable[[], float] = time.perf_counter,
                  repeats: int = REPEATS, row_block: int = 1):
         self.group_size, self.clock, self.repeats, self.row_block = group_size, clock, repeats, row_block
-        self._modules: dict[tuple[str, int, int], nn.Module] = {}
+        self.modules: dict[tuple[str, int, int], nn.Module] = {}
 
     def _module(self, kind: str, n: int, k: int) -> nn.Module:
-        if (kind, n, k) not in self._modules:
-            self._modules[(kind, n, k)] = timing_module(kind, n, k, self.group_size, self.row_block).eval()
-        return self._modules[(kind, n, k)]
+        if (kind, n, k) not in self.modules:
+            self.modules[(kind, n, k)] = timing_module(kind, n, k, self.group_size, self.row_block).eval()
+        return self.modules[(kind, n, k)]
 
     def __call__(self, kind: str, shape: LinearShape, rows: int) -> float:
         n = min(shape.out_features, PROBE_OUT_FEATURES)
@@ -279,7 +279,8 @@ def choose_compute(shapes: Sequence[LinearShape], workload: Workload, *, measure
               f"fastest: {ratios}" + (f" (within {TIE_MARGIN:.0%}: a tie, which the CPU's order breaks)" if tie else "")
               + f"; CPU {cpu.get('capability')}" + (" + avx512_bf16" if cpu.get("avx512_bf16") else "")
               + (" + AMX" if cpu.get("amx") else "") + f", {torch.get_num_threads()} thread(s)")
-    choice = ComputeChoice(compute=chosen.compute, prefill=chosen.prefill, reason=reason, cpu=cpu,
+    prefill = chosen.prefill if chosen.compute == "int4" else chosen.compute  # a dense format prefills as it decodes
+    choice = ComputeChoice(compute=chosen.compute, prefill=prefill, reason=reason, cpu=cpu,
                            threads=torch.get_num_threads(),
                            workload={k: list(v) if isinstance(v, tuple) else v for k, v in asdict(workload).items()},
                            candidates=candidates,

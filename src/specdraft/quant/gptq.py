@@ -28,8 +28,8 @@ from specdraft.quant.q4g import (
 
 log = logging.getLogger(__name__)
 
-# GPTQ defaults (chosen on the trained draft, BENCHMARKS.md): damping as a fraction of the mean Hessian diagonal,
-# columns by decreasing input energy with static groups
+# GPTQ defaults (chosen on the trained draft, docs/history.md, "5. Pack"): damping as a fraction of the mean
+# Hessian diagonal, columns by decreasing input energy with static groups
 DEFAULT_GPTQ_DAMP = 0.1
 DEFAULT_GPTQ_ACT_ORDER = True
 
@@ -154,23 +154,80 @@ def gptq_calibrate(model, sequences: list[list[int]], group_size: int, damp: flo
     there is no error to spread. The model's weights are replaced by their dequantised values along the
     way. Returns {stored name: codes}.
     """
+    layers = _decoder_layers(model)
+    rounder = _Rounder(model, group_size, group_sizes or {}, damp, act_order)
+    cached = _first_layer_inputs(model, layers[0], sequences)
+    for layer in tqdm(layers, desc="gptq", unit="layer", disable=not progress):
+        linears = {n: m for n, m in layer.named_modules()
+                   if isinstance(m, torch.nn.Linear) and not rounder.kept_exact(m)}
+        if linears:  # a layer kept exact (all on its grid) needs no Hessians: one forward for the next layer
+            rounder.round(linears, _layer_hessians(layer, linears, cached))
+        cached = [_with_hidden(a, kw, layer(*a, **kw)) for a, kw in cached]
 
-    group_sizes = group_sizes or {}
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    if isinstance(head, torch.nn.Linear) and (embedding_gptq or not tied) and not rounder.kept_exact(head):
+        norm = getattr(model.model, "norm", None) or torch.nn.Identity()
+        hessian = _Hessian(head.in_features)
+        for a, kw in cached:  # the head's inputs directly: no need to compute the logits
+            hessian.add(*_Hessian.outer(norm(_hidden(a, kw))))
+        rounder.round({"head": head}, {"head": hessian})
+    log.info("gptq: %d tensors rounded by GPTQ, %d kept exact on their grid", len(rounder.out) - len(rounder.exact),
+             len(rounder.exact))
+    return rounder.out
 
+
+class _Rounder:
+    """Where ``gptq_calibrate``'s codes go: a weight GPTQ-rounded (and replaced by its dequantised values), or
+    kept as plain rounding gives it where that is exact. ``out`` maps stored names to codes."""
+
+    def __init__(self, model, group_size: int, group_sizes: dict[str, int], damp: float, act_order: bool):
+        self.names = {id(p): n for n, p in model.named_parameters()}  # tied parameters under their first name
+        self.group_size, self.group_sizes, self.damp, self.act_order = group_size, group_sizes, damp, act_order
+        self.out: dict[str, q4g.QuantizedTensor] = {}
+        self.exact: list[str] = []
+
+    def _group_size(self, name: str) -> int:
+        return self.group_sizes.get(name, self.group_size)
+
+    def kept_exact(self, m: torch.nn.Linear) -> bool:
+        """Plain rounding reproduces the weight (it sits on its grid): no error to spread, keep those codes."""
+        name = self.names[id(m.weight)]
+        g = self._group_size(name)
+        if not q4g.is_lossless(m.weight, g):
+            return False
+        self.out[name] = q4g.quantize(m.weight, g)
+        self.exact.append(name)
+        return True
+
+    def round(self, linears: dict[str, torch.nn.Linear], hessians: dict[str, _Hessian]) -> None:
+        for n, m in linears.items():
+            name = self.names[id(m.weight)]
+            q = gptq_quantize(m.weight, hessians[n].mean(), self._group_size(name), self.damp, self.act_order)
+            m.weight.copy_(q4g.dequantize(q, m.weight.dtype))
+            self.out[name] = q
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    """``model.model.layers``, refused where GPTQ layer by layer cannot go."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not len(layers):
         raise ValueError(f"gptq: {type(model).__name__} has no model.layers (decoder-only models only)")
     layer_types = getattr(model.config, "layer_types", None)
     if layer_types and len(set(layer_types)) > 1:  # layer 0's attention inputs are reused for every layer
         raise ValueError(f"gptq: layers of different attention types ({sorted(set(layer_types))}) are not supported")
-    names = {id(p): n for n, p in model.named_parameters()}  # tied parameters under their first name
+    return layers
+
+
+def _first_layer_inputs(model, first: torch.nn.Module, sequences: list[list[int]]) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) the first decoder layer gets for each sequence: the forward stops there."""
     cached: list[tuple[tuple, dict]] = []
 
     def grab(module, args, kwargs):
         cached.append((args, kwargs))
         raise _StopForward
 
-    handle = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+    handle = first.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         for ids in sequences:
             try:
@@ -179,65 +236,37 @@ def gptq_calibrate(model, sequences: list[list[int]], group_size: int, damp: flo
                 pass
     finally:
         handle.remove()
+    return cached
 
-    out: dict[str, q4g.QuantizedTensor] = {}
-    exact: list[str] = []
 
-    def kept_exact(m: torch.nn.Linear) -> bool:
-        """Plain rounding reproduces the weight (it sits on its grid): no error to spread, keep those codes."""
-        name = names[id(m.weight)]
-        g = group_sizes.get(name, group_size)
-        if not q4g.is_lossless(m.weight, g):
-            return False
-        out[name] = q4g.quantize(m.weight, g)
-        exact.append(name)
-        return True
+def _layer_hessians(layer: torch.nn.Module, linears: dict[str, torch.nn.Linear],
+                    cached: list[tuple[tuple, dict]]) -> dict[str, _Hessian]:
+    """Each of these linears' Hessian over the layer's calibration inputs (one forward per sequence)."""
+    hessians = {n: _Hessian(m.in_features) for n, m in linears.items()}
+    last: list = [None, None]  # q/k/v (and gate/up) read one input tensor: its x xᵀ is computed once
 
-    def quantize(linears: dict[str, torch.nn.Linear], hessians: dict[str, "_Hessian"]) -> None:
-        for n, m in linears.items():
-            name = names[id(m.weight)]
-            q = gptq_quantize(m.weight, hessians[n].mean(), group_sizes.get(name, group_size), damp, act_order)
-            m.weight.copy_(q4g.dequantize(q, m.weight.dtype))
-            out[name] = q
+    def accumulate(name):
+        def hook(module, inputs, output):
+            if inputs[0] is not last[0]:
+                last[:] = inputs[0], _Hessian.outer(inputs[0])
+            hessians[name].add(*last[1])
+        return hook
 
-    def hidden(args: tuple, kwargs: dict) -> torch.Tensor:
-        return args[0] if args else kwargs["hidden_states"]
+    handles = [m.register_forward_hook(accumulate(n)) for n, m in linears.items()]
+    try:
+        for a, kw in cached:
+            layer(*a, **kw)
+    finally:
+        for h in handles:
+            h.remove()
+    return hessians
 
-    def with_hidden(args: tuple, kwargs: dict, result) -> tuple[tuple, dict]:
-        h = result[0] if isinstance(result, tuple) else result
-        return ((h, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": h})
 
-    for layer in tqdm(layers, desc="gptq", unit="layer", disable=not progress):
-        linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear) and not kept_exact(m)}
-        hessians = {n: _Hessian(m.in_features) for n, m in linears.items()}
-        last: list = [None, None]  # q/k/v (and gate/up) read one input tensor: its x xᵀ is computed once
+def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
 
-        def accumulate(name):
-            def hook(module, inputs, output):
-                if inputs[0] is not last[0]:
-                    last[:] = inputs[0], _Hessian.outer(inputs[0])
-                hessians[name].add(*last[1])
-            return hook
 
-        if linears:  # a layer kept exact (all on its grid) needs no Hessians: one forward for the next layer
-            handles = [m.register_forward_hook(accumulate(n)) for n, m in linears.items()]
-            try:
-                for a, kw in cached:
-                    layer(*a, **kw)
-            finally:
-                for h in handles:
-                    h.remove()
-            last[:] = None, None
-            quantize(linears, hessians)
-        cached = [with_hidden(a, kw, layer(*a, **kw)) for a, kw in cached]
-
-    head = model.get_output_embeddings()
-    tied = head is not None and head.weight is model.get_input_embeddings().weight
-    if isinstance(head, torch.nn.Linear) and (embedding_gptq or not tied) and not kept_exact(head):
-        norm = getattr(model.model, "norm", None) or torch.nn.Identity()
-        hessian = _Hessian(head.in_features)
-        for a, kw in cached:  # the head's inputs directly: no need to compute the logits
-            hessian.add(*_Hessian.outer(norm(hidden(a, kw))))
-        quantize({"head": head}, {"head": hessian})
-    log.info("gptq: %d tensors rounded by GPTQ, %d kept exact on their grid", len(out) - len(exact), len(exact))
-    return out
+def _with_hidden(args: tuple, kwargs: dict, result) -> tuple[tuple, dict]:
+    """A layer's inputs with its hidden states replaced by ``result``'s: the next layer's inputs."""
+    h = result[0] if isinstance(result, tuple) else result
+    return ((h, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": h})

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -115,7 +116,7 @@ class BF16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # As a 2-D [M, K] input: a 3-D bf16 input with an odd stride on a size-1 dim (the last position of a
         # longer hidden state, x[:, -1:]) sends linear to a batched matmul that copies the whole weight
-        # transposed on every call (twenty times slower for the stand-in's head).
+        # transposed on every call (many times slower for a large head).
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, K]
         y = nn.functional.linear(x2, self.weight).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
@@ -320,49 +321,65 @@ def apply_compute(model: nn.Module, compute: Compute, quantized: dict[str, Any] 
                              f"(no row block of {F32_ROW_BLOCKS} makes its GEMM row-invariant): serve with "
                              "--compute int4 or bfloat16")
         summary["f32_row_block"] = row_block
-    linears = _linear_modules(model)
-    head = model.get_output_embeddings()
     dense = compute == "int4" and prefill in DENSE_DTYPES
-    phase = Phase() if dense else None
-    dense_dtype = DENSE_DTYPES[prefill] if dense else torch.bfloat16
-    if phase is not None:
-        track_phase(model, phase)
-    for name, lin in linears.items():
-        bias = lin.bias
-        top_k, layer_phase = (RESCORE_TOP_K, None) if lin is head else (0, phase)
-        new: nn.Module
-        if compute == "float32":
-            summary["linear_weight_bytes"] += lin.weight.numel() * lin.weight.element_size()
-            if row_block == 1:
-                continue
-            new = F32Linear(lin.weight, bias, row_block)
-        elif compute == "bfloat16":
-            new = BF16Linear(lin.weight, bias)
-        elif quantized is not None:  # a QD04 file: its own codes, or bf16 where it holds none usable
-            stored = quantized.get(_weight_name_for(model, name, lin))
-            if isinstance(stored, q4g.QuantizedTensor) and int4_unsupported(stored.shape, stored.group_size) is None:
-                new = Int4Linear(stored, bias, top_k, layer_phase, dense_dtype=dense_dtype, row_block=row_block)
-                summary["from_codes"] += 1
-            elif (lin is head and isinstance(stored, torch.Tensor)
-                  and int4_unsupported(tuple(stored.shape), HEAD_SEARCH_GROUP_SIZE) is None):
-                # a head kept raw on purpose: search on codes made now, rescore the candidates from its rows
-                new = Int4Linear(q4g.quantize(stored.float(), HEAD_SEARCH_GROUP_SIZE), bias, top_k,
-                                 exact_rows=stored)
-                summary["head_search_codes"] = f"q4g G{HEAD_SEARCH_GROUP_SIZE}, rescored from {stored.dtype}"
-            else:  # stored raw (e.g. an f16 embedding kept on purpose) or a shape the kernel cannot take
-                new = BF16Linear(lin.weight, bias)
-                summary["bf16_fallback"].append(name)
-        elif int4_unsupported(tuple(lin.weight.shape), group_size) is None:  # float weights: quantise now
-            new = Int4Linear(q4g.quantize(lin.weight.detach().float(), group_size), bias, top_k, layer_phase,
-                             dense_dtype=dense_dtype, row_block=row_block)
-            summary["quantised_at_load"] += 1
-        else:
-            new = BF16Linear(lin.weight, bias)
-            summary["bf16_fallback"].append(name)
-        if compute != "float32":
-            summary["linear_weight_bytes"] += new.weight_bytes()
-        _set_module(model, name, new)
+    fmt = _Format(compute, quantized, group_size, Phase() if dense else None,
+                  DENSE_DTYPES[prefill] if dense else torch.bfloat16, row_block)
+    if fmt.phase is not None:
+        track_phase(model, fmt.phase)
+    head = model.get_output_embeddings()
+    for name, lin in _linear_modules(model).items():
+        new = _swap_linear(model, name, lin, lin is head, fmt, summary)
+        if new is not None:
+            _set_module(model, name, new)
     if summary["bf16_fallback"]:
         log.warning("%d linear layers have no usable int4 codes, kept in bfloat16: %s",
                     len(summary["bf16_fallback"]), summary["bf16_fallback"][:8])
     return summary
+
+
+@dataclass(frozen=True)
+class _Format:
+    """What ``apply_compute`` makes of every linear."""
+
+    compute: Compute
+    quantized: dict[str, Any] | None  # what the QD04 file holds (None: float weights, quantised at load)
+    group_size: int  # of the codes made at load
+    phase: Phase | None  # set while an int4 model prefills, when its prefill runs on a dense copy
+    dense_dtype: torch.dtype  # that copy's
+    row_block: int  # float32 rows padded to this many (1: unpadded)
+
+
+def _swap_linear(model: nn.Module, name: str, lin: nn.Linear, is_head: bool, fmt: _Format,
+                 summary: dict[str, Any]) -> nn.Module | None:
+    """The module that runs ``lin`` in ``fmt`` (None: keep it as it is), its weight bytes and its kind counted in
+    ``summary``."""
+    bias = lin.bias
+    if fmt.compute == "float32":
+        summary["linear_weight_bytes"] += lin.weight.numel() * lin.weight.element_size()
+        return None if fmt.row_block == 1 else F32Linear(lin.weight, bias, fmt.row_block)
+    top_k, layer_phase = (RESCORE_TOP_K, None) if is_head else (0, fmt.phase)
+    new: BF16Linear | Int4Linear
+    if fmt.compute == "bfloat16":
+        new = BF16Linear(lin.weight, bias)
+    elif fmt.quantized is not None:  # a QD04 file: its own codes, or bf16 where it holds none usable
+        stored = fmt.quantized.get(_weight_name_for(model, name, lin))
+        if isinstance(stored, q4g.QuantizedTensor) and int4_unsupported(stored.shape, stored.group_size) is None:
+            new = Int4Linear(stored, bias, top_k, layer_phase, dense_dtype=fmt.dense_dtype, row_block=fmt.row_block)
+            summary["from_codes"] += 1
+        elif (is_head and isinstance(stored, torch.Tensor)
+              and int4_unsupported(tuple(stored.shape), HEAD_SEARCH_GROUP_SIZE) is None):
+            # a head kept raw on purpose: search on codes made now, rescore the candidates from its rows
+            new = Int4Linear(q4g.quantize(stored.float(), HEAD_SEARCH_GROUP_SIZE), bias, top_k, exact_rows=stored)
+            summary["head_search_codes"] = f"q4g G{HEAD_SEARCH_GROUP_SIZE}, rescored from {stored.dtype}"
+        else:  # stored raw (e.g. an f16 embedding kept on purpose) or a shape the kernel cannot take
+            new = BF16Linear(lin.weight, bias)
+            summary["bf16_fallback"].append(name)
+    elif int4_unsupported(tuple(lin.weight.shape), fmt.group_size) is None:  # float weights: quantise now
+        new = Int4Linear(q4g.quantize(lin.weight.detach().float(), fmt.group_size), bias, top_k, layer_phase,
+                         dense_dtype=fmt.dense_dtype, row_block=fmt.row_block)
+        summary["quantised_at_load"] += 1
+    else:
+        new = BF16Linear(lin.weight, bias)
+        summary["bf16_fallback"].append(name)
+    summary["linear_weight_bytes"] += new.weight_bytes()
+    return new

@@ -25,13 +25,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdraft import __version__
 from specdraft.model.loader import ModelLoadError
-from specdraft.model.specs import load_config
+from specdraft.model.specs import load_config, text_config
 from specdraft.server.config import ServeConfig
-from specdraft.server.engine import heap_trimmer, load_engine
+from specdraft.server.engine import DraftEngine, heap_trimmer, load_engine
 from specdraft.server.metrics import ServerMetrics
 from specdraft.server.scheduler import (
     ANSWERED,
@@ -41,6 +42,7 @@ from specdraft.server.scheduler import (
     REFUSED_QUEUE_FULL,
     REFUSED_SHUTDOWN,
     TIMED_OUT,
+    Draft,
     DraftFailedError,
     Overloaded,
     QueueFullError,
@@ -48,6 +50,7 @@ from specdraft.server.scheduler import (
     ShuttingDownError,
     retry_after_header,
 )
+from specdraft.server.scheduler import Request as QueuedRequest
 from specdraft.server.schema import (
     DraftResponse,
     ErrorDetail,
@@ -55,6 +58,7 @@ from specdraft.server.schema import (
     Health,
     draft_request_model,
     draft_sampling,
+    integral_bounds,
     validation_details,
 )
 
@@ -62,6 +66,12 @@ log = logging.getLogger(__name__)
 
 
 JSON_ROUTES = {("POST", "/draft")}
+# the errors ``POST /draft`` may answer, for the OpenAPI schema
+DRAFT_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse, "description": text} for code, text in (
+    (400, "malformed JSON"), (413, "body too large"), (415, "body is not application/json"),
+    (422, "a field is invalid (named in details)"), (500, "the model failed on this request's iteration"),
+    (503, "not loaded yet, overloaded (the work ahead misses the deadline), queue full, shutting down or timed out "
+          "(Retry-After)"))}
 RETRY_AFTER_S = 1
 # seconds uvicorn waits for handlers beyond --shutdown-timeout-s: time to send the refusals of what was not answered
 SHUTDOWN_MARGIN_S = 3
@@ -86,9 +96,10 @@ def error_response(status: int, error: str, message: str, details: list[ErrorDet
 class ServerState:
     """What the handlers share: the engine and scheduler once loaded, the status, the metrics."""
 
-    def __init__(self, config: ServeConfig, metrics: ServerMetrics, max_context: int):
+    def __init__(self, config: ServeConfig, metrics: ServerMetrics, vocab_size: int, max_context: int):
         self.config, self.metrics, self.max_context = config, metrics, max_context
-        self.engine: Any = None
+        self.vocab_size = vocab_size  # config.json's: the request schema's, which a loaded draft must match
+        self.engine: DraftEngine | None = None  # None until the weights are loaded
         self.scheduler: Scheduler | None = None
         self.loader: threading.Thread | None = None
         self.status = "loading"
@@ -96,16 +107,32 @@ class ServerState:
         self._stop_lock = threading.Lock()
         self._stopper: threading.Thread | None = None
 
-    def start(self, engine: Any) -> None:
+    def open(self, engine: DraftEngine | None, on_load_failed: Callable[[BaseException], None] | None) -> None:
+        """Serve ``engine`` at once, or load the weights in a thread (``/health`` says 503 until they are in)."""
+        if engine is not None:
+            self.start(engine)
+            return
+        self.loader = threading.Thread(target=self.load, args=(on_load_failed,), name="specdraft-loader", daemon=True)
+        self.loader.start()
+
+    def load(self, on_load_failed: Callable[[BaseException], None] | None = None) -> None:
+        """Load the draft named by the config and serve it; on failure, say so in ``/health`` and tell the caller."""
         cfg = self.config
-        after_iteration = None
-        if cfg.trim_heap:
-            trim = heap_trimmer()
-            if trim is not None:
-                trim()  # loading freed the float32 model it started from: memory glibc would otherwise keep
-                after_iteration = every(1.0, trim)
-            else:
-                log.info("trim_heap: no glibc malloc_trim here; freed memory stays with the allocator")
+        try:
+            loaded = load_engine(cfg.model_dir, cfg.weights, cfg.compute, cfg.model_name, cfg.int4_prefill, cfg.lean,
+                                 cfg.device)
+            if loaded.vocab_size != self.vocab_size:
+                raise ValueError(f"loaded vocab {loaded.vocab_size} != config.json vocab {self.vocab_size}")
+            self.start(loaded)
+        except BaseException as e:
+            self.status, self.error = "failed", f"{type(e).__name__}: {e}"
+            log.error("could not load the draft: %s", self.error)
+            if on_load_failed is not None:
+                on_load_failed(e)
+
+    def start(self, engine: DraftEngine) -> None:
+        cfg = self.config
+        after_iteration = _heap_trimming(cfg.trim_heap)  # trims once now, before the lanes take their memory
         short_context = min(cfg.long_context_tokens, self.max_context)
         short = engine.lane(cfg.max_batch_size, short_context + cfg.num_draft, cfg.num_draft)
         long = (engine.lane(cfg.long_slots, self.max_context + cfg.num_draft, cfg.num_draft)
@@ -118,6 +145,16 @@ class ServerState:
         self.engine = engine
         self.status = "ok"
         self.metrics.ready.set(1)
+
+    def health(self) -> tuple[Health, bool]:
+        """``/health``'s body, and whether the draft is being served."""
+        engine = self.engine
+        if engine is None:  # loading, or the load failed: no model to describe yet
+            body = Health(status=self.status, detail=self.error)
+        else:
+            body = Health(status=self.status, model=engine.name, compute=engine.compute, detail=self.error,
+                          compute_choice=engine.compute_choice)
+        return body, self.status == "ok" and self.scheduler is not None and self.scheduler.running
 
     def begin_stop(self, timeout: float) -> threading.Thread:
         """Start stopping, once, in a thread of its own: called as soon as the server begins to shut down, so the
@@ -143,6 +180,18 @@ class ServerState:
         if self.scheduler is not None:
             self.scheduler.close(timeout)
             log.info("scheduler stopped after %d iterations", self.scheduler.iterations)
+
+
+def _heap_trimming(enabled: bool) -> Callable[[], None] | None:
+    """What the worker calls after each iteration to hand freed memory back to the OS (at most once a second)."""
+    if not enabled:
+        return None
+    trim = heap_trimmer()
+    if trim is None:
+        log.info("trim_heap: no glibc malloc_trim here; freed memory stays with the allocator")
+        return None
+    trim()  # loading freed the float32 model it started from: memory glibc would otherwise keep
+    return every(1.0, trim)
 
 
 def every(seconds: float, fn: Callable[[], Any]) -> Callable[[], None]:
@@ -181,134 +230,129 @@ def _model_facts(config: ServeConfig) -> tuple[int, int | None]:
         cfg = load_config(config.model_dir)
     except ValueError as e:
         raise ModelLoadError(f"{config.model_dir}: cannot read the model config ({e})") from e
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text = text_config(cfg)
     return int(text.vocab_size), getattr(text, "max_position_embeddings", None)
 
 
 # -------------------------------------------------------------------------------------------------- app
 
-def create_app(config: ServeConfig, engine: Any = None,
+def create_app(config: ServeConfig, engine: DraftEngine | None = None,
                on_load_failed: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The ASGI app. With ``engine`` (anything with ``lane(slots, capacity, num_draft)``, ``name``, ``vocab_size``,
-    ``max_positions``, ``compute``) it serves at once; without, a thread loads the weights at start-up
+    """The ASGI app. With ``engine`` it serves at once; without, a thread loads the weights at start-up
     and ``/health`` says 503 until they are in."""
     if engine is not None:
         vocab_size, max_positions = engine.vocab_size, engine.max_positions
     else:
         vocab_size, max_positions = _model_facts(config)
     max_context = resolve_limits(config, vocab_size, max_positions)
-    DraftRequest = draft_request_model(vocab_size, max_context, config.num_draft)
-    metrics = ServerMetrics()
-    state = ServerState(config, metrics, max_context)
-
-    def load() -> None:
-        try:
-            loaded = load_engine(config.model_dir, config.weights, config.compute, config.model_name,
-                                 config.int4_prefill, config.lean, config.device)
-            if loaded.vocab_size != vocab_size:
-                raise ValueError(f"loaded vocab {loaded.vocab_size} != config.json vocab {vocab_size}")
-            state.start(loaded)
-        except BaseException as e:
-            state.status, state.error = "failed", f"{type(e).__name__}: {e}"
-            log.error("could not load the draft: %s", state.error)
-            if on_load_failed is not None:
-                on_load_failed(e)
+    state = ServerState(config, ServerMetrics(), vocab_size, max_context)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if engine is not None:
-            state.start(engine)
-        else:
-            state.loader = threading.Thread(target=load, name="specdraft-loader", daemon=True)
-            state.loader.start()
+        state.open(engine, on_load_failed)
         yield
         await asyncio.to_thread(state.stop, config.shutdown_timeout_s)
 
-    app = FastAPI(title="specdraft draft server", version=_version(), lifespan=lifespan,
+    app = FastAPI(title="specdraft draft server", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None,
                   description="Drafts from a small model for speculative decoding: greedy, or sampled with "
                               "the draft's probabilities for speculative sampling.")
     app.state.server = state
     app.state.max_context = max_context
-    error_responses: dict[int | str, dict[str, Any]] = {
-        code: {"model": ErrorResponse, "description": text} for code, text in (
-            (400, "malformed JSON"), (413, "body too large"), (415, "body is not application/json"),
-            (422, "a field is invalid (named in details)"),
-            (500, "the model failed on this request's iteration"),
-            (503, "not loaded yet, overloaded (the work ahead misses the deadline), queue full, shutting down or "
-                  "timed out (Retry-After)"))}
+    _add_draft_route(app, state, draft_request_model(vocab_size, max_context, config.num_draft))
+    _add_health_route(app, state)
+    _add_metrics_route(app, state)
+    _integral_schema_bounds(app)
+    _install_error_handlers(app)
+    app.add_middleware(EdgeMiddleware, metrics=state.metrics, max_body_bytes=config.max_body_bytes)
+    return app
 
-    def unavailable(outcome: str, error: str, message: str, retry_after: float = RETRY_AFTER_S) -> ApiError:
-        metrics.outcome(outcome)
-        return ApiError(503, error, message, headers={"Retry-After": retry_after_header(retry_after)})
 
-    @app.post("/draft", response_model=DraftResponse, responses=error_responses,
+# ----------------------------------------------------------------------------------------------- routes
+
+def _add_draft_route(app: FastAPI, state: ServerState, DraftRequest: type[BaseModel]) -> None:
+    @app.post("/draft", response_model=DraftResponse, responses=DRAFT_ERRORS,
               summary="the draft model's next num_tokens tokens after token_ids (greedy, or sampled), with "
                       "their probabilities when asked")
     async def draft(body: DraftRequest, request: Request) -> Any:  # type: ignore[valid-type]
-        scheduler = state.scheduler
-        if state.status != "ok" or scheduler is None:
+        engine, scheduler = state.engine, state.scheduler
+        if state.status != "ok" or engine is None or scheduler is None:
             raise ApiError(503, "not_ready", f"the draft is not being served (status: {state.status})",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
-        try:
-            pending = scheduler.submit(body.token_ids, body.num_tokens, config.request_timeout_s,
-                                       draft_sampling(body))
-        except Overloaded as e:
-            raise unavailable(REFUSED_OVERLOAD, "overloaded", str(e), e.retry_after) from None
-        except QueueFullError as e:
-            raise unavailable(REFUSED_QUEUE_FULL, "queue_full", str(e)) from None
-        except ShuttingDownError as e:
-            raise unavailable(REFUSED_SHUTDOWN, "shutting_down", str(e)) from None
-        answer = asyncio.wrap_future(pending.future)
-        gone = asyncio.ensure_future(_client_gone(request))
-        done, _ = await asyncio.wait({answer, gone}, timeout=max(0.0, pending.deadline - time.monotonic()),
-                                     return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if answer not in done:
-            if gone in done:  # nobody will read the answer: stop computing it
-                pending.cancel(CANCELLED)
-                metrics.outcome(CANCELLED)
-                return Response(status_code=499)  # nginx's "client closed request"
-            pending.cancel(TIMED_OUT)
-            raise unavailable(TIMED_OUT, "timeout", f"no draft within {config.request_timeout_s}s")
-        try:
-            drafted = answer.result()
-        except (TimeoutError, asyncio.CancelledError):
-            raise unavailable(TIMED_OUT, "timeout", f"no draft within {config.request_timeout_s}s") from None
-        except ShuttingDownError as e:
-            raise unavailable(REFUSED_SHUTDOWN, "shutting_down", str(e)) from None
-        except DraftFailedError as e:
-            metrics.outcome(FAILED)
-            raise ApiError(500, "draft_failed", f"the model failed on this request's iteration: {e}") from None
-        metrics.outcome(ANSWERED, len(drafted.tokens))
-        payload: dict[str, Any] = {"draft_ids": drafted.tokens, "model": state.engine.name}
+        pending = _submit(scheduler, body, state)
+        drafted = await _wait_for_draft(pending, request, state)
+        if drafted is None:  # the client went away
+            return Response(status_code=499)  # nginx's "client closed request"
+        state.metrics.outcome(ANSWERED, len(drafted.tokens))
+        payload: dict[str, Any] = {"draft_ids": drafted.tokens, "model": engine.name}
         if body.return_probs:  # fields a request did not ask for stay absent: the greedy answer is unchanged
             payload["draft_probs"] = drafted.probs
         if body.top_alternatives:
             payload["top_ids"], payload["top_probs"] = drafted.top_ids, drafted.top_probs
         return JSONResponse(payload)
 
+
+def _add_health_route(app: FastAPI, state: ServerState) -> None:
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "not ready"}})
     async def health() -> Any:
-        engine = state.engine
-        body = Health(status=state.status, model=getattr(engine, "name", None),
-                      compute=getattr(engine, "compute", None), detail=state.error,
-                      compute_choice=getattr(engine, "compute_choice", None))
-        ok = state.status == "ok" and state.scheduler is not None and state.scheduler.running
+        body, ok = state.health()
         return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
+
+def _add_metrics_route(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                               "description": "Prometheus text format"}})
     async def metrics_endpoint() -> Response:
         if state.scheduler is not None:
-            metrics.queue_depth.set(state.scheduler.queue_depth())
-        return Response(metrics.render(), media_type=metrics.content_type)
+            state.metrics.queue_depth.set(state.scheduler.queue_depth())
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
-    _integral_schema_bounds(app)
-    _install_error_handlers(app)
-    app.add_middleware(EdgeMiddleware, metrics=metrics, max_body_bytes=config.max_body_bytes)
-    return app
+
+def _unavailable(state: ServerState, outcome: str, error: str, message: str,
+                 retry_after: float = RETRY_AFTER_S) -> ApiError:
+    """A 503 with Retry-After, counted under ``outcome``."""
+    state.metrics.outcome(outcome)
+    return ApiError(503, error, message, headers={"Retry-After": retry_after_header(retry_after)})
+
+
+def _submit(scheduler: Scheduler, body: Any, state: ServerState) -> QueuedRequest:
+    """Queue a validated request, or refuse it at once (503): overloaded, queue full, or shutting down."""
+    try:
+        return scheduler.submit(body.token_ids, body.num_tokens, state.config.request_timeout_s, draft_sampling(body))
+    except Overloaded as e:
+        raise _unavailable(state, REFUSED_OVERLOAD, "overloaded", str(e), e.retry_after) from None
+    except QueueFullError as e:
+        raise _unavailable(state, REFUSED_QUEUE_FULL, "queue_full", str(e)) from None
+    except ShuttingDownError as e:
+        raise _unavailable(state, REFUSED_SHUTDOWN, "shutting_down", str(e)) from None
+
+
+async def _wait_for_draft(pending: QueuedRequest, request: Request, state: ServerState) -> Draft | None:
+    """The request's draft; None when its client went away first (the request is then dropped). A deadline
+    passed, a shutdown or a failed model call is an ApiError."""
+    timeout_s = state.config.request_timeout_s
+    answer = asyncio.wrap_future(pending.future)
+    gone = asyncio.ensure_future(_client_gone(request))
+    done, _ = await asyncio.wait({answer, gone}, timeout=max(0.0, pending.deadline - time.monotonic()),
+                                 return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if answer not in done:
+        if gone in done:  # nobody will read the answer: stop computing it
+            pending.cancel(CANCELLED)
+            state.metrics.outcome(CANCELLED)
+            return None
+        pending.cancel(TIMED_OUT)
+        raise _unavailable(state, TIMED_OUT, "timeout", f"no draft within {timeout_s}s")
+    try:
+        return answer.result()
+    except (TimeoutError, asyncio.CancelledError):
+        raise _unavailable(state, TIMED_OUT, "timeout", f"no draft within {timeout_s}s") from None
+    except ShuttingDownError as e:
+        raise _unavailable(state, REFUSED_SHUTDOWN, "shutting_down", str(e)) from None
+    except DraftFailedError as e:
+        state.metrics.outcome(FAILED)
+        raise ApiError(500, "draft_failed", f"the model failed on this request's iteration: {e}") from None
 
 
 async def _client_gone(request: Request, poll_s: float = 0.1) -> None:
@@ -321,21 +365,9 @@ def _integral_schema_bounds(app: FastAPI) -> None:
     """FastAPI's OpenAPI model writes integer bounds as floats (maximum: 319.0); write them as integers."""
     original = app.openapi
 
-    def fix(node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") and \
-                        isinstance(value, float) and value.is_integer():
-                    node[key] = int(value)
-                else:
-                    fix(value)
-        elif isinstance(node, list):
-            for item in node:
-                fix(item)
-
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            fix(original())
+            integral_bounds(original())
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -364,7 +396,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         detail = str(exc.detail)
         return error_response(exc.status_code, names.get(exc.status_code, "http_error"), detail,
                               [ErrorDetail(field="body" if exc.status_code in (400, 413) else "path", reason=detail)],
-                              getattr(exc, "headers", None))
+                              exc.headers)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
@@ -446,10 +478,6 @@ def _is_json(content_type: str | None) -> bool:
         return False
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
-
-
-def _version() -> str:
-    return __version__
 
 
 # ---------------------------------------------------------------------------------------------- serving

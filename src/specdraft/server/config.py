@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from specdraft.core.config import StageConfig
+from specdraft.core.wire import DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from specdraft.quant.compute_choice import ComputeSetting
 from specdraft.quant.linear import Int4Prefill
 
@@ -23,7 +24,8 @@ class ServeConfig(StageConfig):
                                             "preallocated: max_batch_size x (long_context_tokens + num_draft) tokens)")
     max_wait_ms: float = Field(2.0, ge=0, le=10_000,
                                description="how long an idle worker waits for more requests after the first one")
-    num_draft: int = Field(16, ge=1, le=64, description="default and largest num_tokens of a request")
+    num_draft: int = Field(DRAFT_TOKENS, ge=1, le=MAX_DRAFT_TOKENS,
+                           description="default and largest num_tokens of a request")
     max_context: int | None = Field(
         None, ge=1, description="longest token_ids accepted, 422 beyond (default and upper bound: the model's "
                                 "positions minus num_draft)", json_schema_extra={"aliases": ["--max-context-tokens"]})
@@ -48,7 +50,7 @@ class ServeConfig(StageConfig):
                                             "HTTP side; at least 1)")
     compute: ComputeSetting = Field(
         "auto", description="format of the linear layers: auto times float32, bfloat16 and int4 (with a bf16, "
-                            "float32 or int4 prefill) on the draft's own shapes at load (about a second), for the "
+                            "float32 or int4 prefill) on the draft's own shapes at load, for the "
                             "server's work (contexts of 64 to 1,024 tokens, 1 to 4 requests decoding together), and "
                             "serves the fastest on this CPU (the log and /health say what it picked and why); or "
                             "float32, bfloat16, or int4 (the QD04 4-bit codes run by torch's CPU int4 kernel in "

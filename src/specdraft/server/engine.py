@@ -1,10 +1,10 @@
 """The model side of the server: a loaded draft (``load_engine``) and the lanes the scheduler runs it in.
 
 Loading is ``model.loader.load_draft``; the compute formats are ``quant.linear``'s. A ``SlotLane`` is a
-``model.decode.SlotDecoder`` over the draft whose rows are keyed by request: every row attends to its own columns
-only and the int4 kernel computes rows independently, so a request gets the tokens it gets alone, whoever shares
-its iteration -- a sampled request too, drawing from its own seeded generator. The server adds the lean decode
-forward (``model.lean``, built at load) and hands freed memory back to the OS (``heap_trimmer``).
+``model.slot_engine.SlotDecoder`` over the draft whose rows are keyed by request: every row attends to its own
+columns only and the int4 kernel computes rows independently, so a request gets the tokens it gets alone, whoever
+shares its iteration -- a sampled request too, drawing from its own seeded generator. The server adds the lean
+decode forward (``model.lean``, built at load) and hands freed memory back to the OS (``heap_trimmer``).
 """
 
 from __future__ import annotations
@@ -15,25 +15,43 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from torch import nn
 
-from specdraft.model.decode import DraftSampling, Generation, RowSampler, SlotDecoder, draft_batch, draft_rows
+from specdraft.model.decode import draft_batch, draft_rows
+from specdraft.model.generation import DraftSampling, Generation, RowSampler
 from specdraft.model.lean import lean_forward, lean_unsupported
 from specdraft.model.loader import load_draft
+from specdraft.model.slot_engine import SlotDecoder
+from specdraft.model.specs import text_config
 from specdraft.quant.compute_choice import SERVE_WORKLOAD, ComputeSetting
 from specdraft.quant.linear import Int4Prefill
-from specdraft.server.scheduler import Draft
+from specdraft.server.scheduler import Draft, Lane
 
 log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------- engine
 
+@runtime_checkable
+class DraftEngine(Protocol):
+    """What the HTTP layer uses of a loaded draft: its facts for the request schema and ``/health``, and the
+    lanes its scheduler runs. ``Engine`` is the real one; the tests' fakes declare the same."""
+
+    name: str  # the model name returned in responses
+    compute: str  # the compute format its linear layers run in
+    compute_choice: dict[str, Any]  # that format and why: given, or measured at load (``/health`` shows it)
+    vocab_size: int
+    max_positions: int | None  # the model's positions (None: its config does not say)
+
+    def lane(self, slots: int, capacity: int, num_draft: int) -> Lane:
+        """``slots`` rows decoding together, each holding ``capacity`` tokens (context + ``num_draft``)."""
+
+
 @dataclass
 class Engine:
-    """A loaded draft model and what the HTTP layer needs to know about it."""
+    """A loaded draft model and what the HTTP layer needs to know about it (a ``DraftEngine``)."""
 
     model: nn.Module
     name: str
@@ -138,7 +156,7 @@ def load_engine(model_dir: str | os.PathLike, weights: str | os.PathLike | None,
                    f"off: {lean_unsupported(model)}" if lean_forward(model) is None else "on")
     info = {**source.get("load_info", {}), **summary, "lean_forward": lean_reason, "seconds": source["seconds"],
             "device": source["device"]}
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     log.info("draft ready on %s: compute=%s (prefill %s; %s), %d linear layers from QD04 codes, %d quantised at "
              "load, %.1f MB of linear weights per token, lean decode %s, %.2fs", source["device"], summary["compute"],
              summary["prefill"], source["compute_choice"]["reason"], summary["from_codes"],

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Callable, Protocol, Sequence
 
-from specdraft.model.decode import PLAIN, DraftSampling
+from specdraft.model.generation import PLAIN, DraftSampling
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from typing import Annotated, Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, WithJsonSchema, create_model, field_validator
 
-from specdraft.model.decode import DraftSampling
+from specdraft.core.wire import DRAFT_TOKENS, MAX_TOP_ALTERNATIVES
+from specdraft.model.generation import DraftSampling
 from specdraft.model.sampling import SamplingParams
 
 MAX_ERROR_DETAILS = 20
-MAX_TOP_ALTERNATIVES = 64
 # Below this a temperature divides float32 logits into infinities (NaN probabilities); 0 is greedy.
 MIN_TEMPERATURE = 1e-4
 MAX_SEED = 2**53 - 1  # the largest integer every JSON parser reads exactly (JavaScript's included)
@@ -106,7 +106,7 @@ def draft_request_model(vocab_size: int, max_context: int, num_draft: int) -> ty
     return create_model(
         "DraftRequest",
         __config__=ConfigDict(extra="forbid", json_schema_extra={
-            "example": {"token_ids": [1, 2, 3], "num_tokens": min(num_draft, 16)},
+            "example": {"token_ids": [1, 2, 3], "num_tokens": min(num_draft, DRAFT_TOKENS)},
             # top_alternatives > 0 needs return_probs: true, in the schema too, so that clients generated from it
             # (and schemathesis) know
             "anyOf": [{"properties": {"top_alternatives": {"const": 0}}},
@@ -134,6 +134,21 @@ def _needs_return_probs(cls, value: int, info: ValidationInfo) -> int:
     if value and not info.data.get("return_probs", False):
         raise ValueError("needs return_probs: true")
     return value
+
+
+def integral_bounds(node: Any) -> None:
+    """Integer bounds written as floats in a JSON schema (FastAPI's OpenAPI model writes maximum: 319.0) made
+    integers again, in place."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") and \
+                    isinstance(value, float) and value.is_integer():
+                node[key] = int(value)
+            else:
+                integral_bounds(value)
+    elif isinstance(node, list):
+        for item in node:
+            integral_bounds(item)
 
 
 def field_name(loc: Iterable[Any]) -> str:

@@ -6,8 +6,8 @@ position: no sequential dependency, so where decoding is memory-bound (a GPU at 
 training tokens come from the same target time; on a compute-bound CPU the two cost about the same per
 token, and the gain is long, varied contexts from the prompts at hand. The draft then learns "what would the
 target say next after this context" on human-written contexts, next to the traces' target-written ones.
-Traces stay the core signal; these labels add volume (BENCHMARKS.md has both the cost per token and what each
-adds to acceptance).
+Traces stay the core signal; these labels add volume (docs/history.md, "3. Label", has both the cost per token
+and what each adds to acceptance).
 
 ``--answers-from DRAFT_DIR`` labels the draft's own greedy continuations of the prompts instead (on-policy data,
 as DistillSpec trains on): the contexts the draft will meet when it drafts, with what the target says next.
@@ -124,7 +124,7 @@ def label_batch(model, sequences: list[list[int]], prompt_lens: list[int], pad_i
     return out
 
 
-def _batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+def token_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Indices grouped by length so padding is small; each group's padded size fits batch_tokens."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches, current, width = [], [], 0
@@ -213,7 +213,7 @@ def _run_label(cfg: LabelConfig, out: Path, summary_path: Path, log_path: Path) 
         progress = Progress(len(keep), "label")
         agree = 0
         with open(out, "a", encoding="utf-8") as f:
-            for batch in _batches([len(s) for s in sequences], cfg.batch_tokens):
+            for batch in token_batches([len(s) for s in sequences], cfg.batch_tokens):
                 labels = label_batch(model, [sequences[i] for i in batch], [prompt_lens[i] for i in batch], pad_id)
                 for i, target_ids in zip(batch, labels):
                     p = prompt_lens[i]

@@ -130,80 +130,19 @@ def _build(cfg: PromptsConfig, out: Path) -> PromptsResult:
     log.info("manifest %s (sha256 %s): %d corpora", cfg.manifest or "built-in default", loaded.sha256,
              len(loaded.corpora))
     eval_sets, eval_texts = _read_eval_sets(cfg.eval_set)
-
-    stats: dict[str, CorpusStats] = {}
-    candidates: list[Candidate] = []
-    for corpus in loaded.corpora:
-        st = CorpusStats(corpus.name, corpus.kind, corpus.count)
-        stats[corpus.name] = st
-        found = _read_corpus(corpus, loaded, st)
-        log.info("%s: read %d records, %d prompts", corpus.name, st.read, len(found))
-        candidates.extend(found)
-
-    # too long: one batched pass of the target's fast tokenizer
-    tokenizer_info, lengths = _token_lengths(cfg.tokenizer, [c.text for c in candidates])
-    for c, n in zip(candidates, lengths, strict=True):
-        c.tokens = n
-    candidates = _drop(candidates, [n > cfg.max_prompt_tokens for n in lengths], "too_long", stats)
-
-    # contamination against the evaluation sets
-    contamination_examples: list[dict[str, Any]] = []
-    response_examples: list[dict[str, Any]] = []
-    if eval_texts:
-        offending = ngram_overlap([c.text for c in candidates], eval_texts, cfg.contamination_ngram)
-        bad = [False] * len(candidates)
-        for i, gram in offending:
-            bad[i] = True
-            if len(contamination_examples) < MAX_REPORTED:
-                c = candidates[i]
-                contamination_examples.append({"source": c.corpus, "index": c.index, "ngram": gram})
-        candidates = _drop(candidates, bad, "contaminated", stats)
-        log.info("contamination: %d prompts share a %d-gram with the eval sets", len(offending),
-                 cfg.contamination_ngram)
-        response_examples = _strip_contaminated_responses(candidates, eval_texts, cfg.contamination_ngram, stats)
-
-    # exact duplicates after whitespace collapse (earlier corpora win)
-    seen: set[str] = set()
-    dup = []
-    for c in candidates:
-        key = dedup_key(c.text)
-        dup.append(key in seen)
-        seen.add(key)
-    candidates = _drop(candidates, dup, "duplicate", stats)
-
+    stats, candidates = _read_corpora(loaded)
+    tokenizer_info, candidates = _drop_too_long(cfg, candidates, stats)
+    candidates, examples, response_examples = _decontaminate(cfg, candidates, eval_texts, stats)
+    candidates = _drop_duplicates(candidates, stats)
     if cfg.near_dup:
-        t = time.time()
-        near = near_duplicates([c.text for c in candidates], cfg.near_dup_threshold, cfg.minhash_perm)
-        flags = [False] * len(candidates)
-        for i, _ in near:
-            flags[i] = True
-        candidates = _drop(candidates, flags, "near_duplicate", stats)
-        log.info("near-duplicates: %d (%.1fs)", len(near), time.time() - t)
-
-    final = _apply_quotas(candidates, loaded.corpora, stats, cfg.seed)
-    if not final:
-        raise DataSourceError(f"manifest {cfg.manifest or 'built-in default'}: no prompt survived the filters "
-                              "(see prompts.stats.json)")
-    if cfg.shuffle:
-        random.Random(f"{cfg.seed}/order").shuffle(final)
-    for c in final:
-        stats[c.corpus].kept += 1
-        stats[c.corpus].tokens += c.tokens
-        stats[c.corpus].with_response += c.response is not None
-
-    width = max(6, len(str(max(c.index for c in final))))
-    lines = [jsonl_line({"id": f"{c.corpus}-{c.index:0{width}d}", "source": c.corpus, "prompt": c.text,
-                         **({"response": c.response} if c.response is not None else {})})
-             for c in final]
-    payload = ("\n".join(lines) + "\n").encode("utf-8")
-    atomic_write_bytes(out, payload)
-    manifest_copy = out.parent / "data_manifest.json"
-    atomic_write_bytes(manifest_copy, loaded.raw)
+        candidates = _drop_near_duplicates(cfg, candidates, stats)
+    final = _select(cfg, candidates, loaded.corpora, stats)
+    payload, manifest_copy = _write_prompts(out, final, loaded)
 
     for name, st in stats.items():
         if st.requested is not None and st.kept < st.requested:
             log.warning("%s: %d prompts kept, %d requested", name, st.kept, st.requested)
-    dropped_total = Counter()
+    dropped_total: Counter = Counter()
     for st in stats.values():
         dropped_total.update(st.dropped)
     summary = {
@@ -219,27 +158,11 @@ def _build(cfg: PromptsConfig, out: Path) -> PromptsResult:
             "eval_sets": eval_sets,
             "eval_prompts": len(eval_texts),
             "dropped": dropped_total.get("contaminated", 0),
-            "examples": contamination_examples,
+            "examples": examples,
             "responses_removed": sum(st.response_contaminated for st in stats.values()),
             "response_examples": response_examples,
         },
-        "provenance": {
-            "manifest": {
-                "path": cfg.manifest,
-                "resolved_path": str(loaded.path.resolve()) if loaded.path else None,
-                "builtin_default": loaded.path is None,
-                "sha256": loaded.sha256,
-                "copy": manifest_copy.name,
-                "content": json.loads(loaded.raw),
-            },
-            "files": [{"corpus": name, **{k: v for k, v in st.source.items()
-                                          if k in ("path", "resolved_path", "sha256")}}
-                      for name, st in stats.items() if "resolved_path" in st.source],
-            "tokenizer": tokenizer_info,
-            "config": cfg.to_json_dict(),
-            "run": run_metadata(),
-            "seconds": round(time.time() - started, 2),
-        },
+        "provenance": _provenance(cfg, loaded, manifest_copy, stats, tokenizer_info, started),
     }
     stats_path = out.with_name(out.stem + ".stats.json")
     atomic_write_json(stats_path, summary)
@@ -248,6 +171,124 @@ def _build(cfg: PromptsConfig, out: Path) -> PromptsResult:
     return PromptsResult(out=out, stats_path=stats_path, total=len(final),
                          per_corpus={n: st.kept for n, st in stats.items()},
                          contaminated=dropped_total.get("contaminated", 0))
+
+
+def _read_corpora(loaded: LoadedManifest) -> tuple[dict[str, CorpusStats], list[Candidate]]:
+    """Every corpus's prompts, in manifest order, and its stats so far."""
+    stats: dict[str, CorpusStats] = {}
+    candidates: list[Candidate] = []
+    for corpus in loaded.corpora:
+        st = CorpusStats(corpus.name, corpus.kind, corpus.count)
+        stats[corpus.name] = st
+        found = _read_corpus(corpus, loaded, st)
+        log.info("%s: read %d records, %d prompts", corpus.name, st.read, len(found))
+        candidates.extend(found)
+    return stats, candidates
+
+
+def _drop_too_long(cfg: PromptsConfig, candidates: list[Candidate],
+                   stats: dict[str, CorpusStats]) -> tuple[dict[str, Any], list[Candidate]]:
+    """Count every prompt's tokens (one batched pass of the target's fast tokenizer) and drop the too long;
+    returns what the tokenizer was, and the rest."""
+    tokenizer_info, lengths = _token_lengths(cfg.tokenizer, [c.text for c in candidates])
+    for c, n in zip(candidates, lengths, strict=True):
+        c.tokens = n
+    return tokenizer_info, _drop(candidates, [n > cfg.max_prompt_tokens for n in lengths], "too_long", stats)
+
+
+def _decontaminate(cfg: PromptsConfig, candidates: list[Candidate], eval_texts: list[str],
+                   stats: dict[str, CorpusStats]) -> tuple[list[Candidate], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Drop the prompts sharing an n-gram with the evaluation sets and strip such reference answers; returns the
+    rest, and examples of the dropped prompts and of the stripped answers (up to MAX_REPORTED each)."""
+    if not eval_texts:
+        return candidates, [], []
+    offending = ngram_overlap([c.text for c in candidates], eval_texts, cfg.contamination_ngram)
+    bad = [False] * len(candidates)
+    examples: list[dict[str, Any]] = []
+    for i, gram in offending:
+        bad[i] = True
+        if len(examples) < MAX_REPORTED:
+            c = candidates[i]
+            examples.append({"source": c.corpus, "index": c.index, "ngram": gram})
+    candidates = _drop(candidates, bad, "contaminated", stats)
+    log.info("contamination: %d prompts share a %d-gram with the eval sets", len(offending), cfg.contamination_ngram)
+    response_examples = _strip_contaminated_responses(candidates, eval_texts, cfg.contamination_ngram, stats)
+    return candidates, examples, response_examples
+
+
+def _drop_duplicates(candidates: list[Candidate], stats: dict[str, CorpusStats]) -> list[Candidate]:
+    """Exact duplicates after whitespace collapse (earlier corpora win)."""
+    seen: set[str] = set()
+    dup = []
+    for c in candidates:
+        key = dedup_key(c.text)
+        dup.append(key in seen)
+        seen.add(key)
+    return _drop(candidates, dup, "duplicate", stats)
+
+
+def _drop_near_duplicates(cfg: PromptsConfig, candidates: list[Candidate],
+                          stats: dict[str, CorpusStats]) -> list[Candidate]:
+    t = time.time()
+    near = near_duplicates([c.text for c in candidates], cfg.near_dup_threshold, cfg.minhash_perm)
+    flags = [False] * len(candidates)
+    for i, _ in near:
+        flags[i] = True
+    log.info("near-duplicates: %d (%.1fs)", len(near), time.time() - t)
+    return _drop(candidates, flags, "near_duplicate", stats)
+
+
+def _select(cfg: PromptsConfig, candidates: list[Candidate], corpora: list[CorpusSpec],
+            stats: dict[str, CorpusStats]) -> list[Candidate]:
+    """The prompts written: each corpus's quota (seeded sample), in seeded order unless --no-shuffle, counted
+    in the stats as kept."""
+    final = _apply_quotas(candidates, corpora, stats, cfg.seed)
+    if not final:
+        raise DataSourceError(f"manifest {cfg.manifest or 'built-in default'}: no prompt survived the filters "
+                              "(see prompts.stats.json)")
+    if cfg.shuffle:
+        random.Random(f"{cfg.seed}/order").shuffle(final)
+    for c in final:
+        stats[c.corpus].kept += 1
+        stats[c.corpus].tokens += c.tokens
+        stats[c.corpus].with_response += c.response is not None
+    return final
+
+
+def _write_prompts(out: Path, final: list[Candidate], loaded: LoadedManifest) -> tuple[bytes, Path]:
+    """prompts.jsonl, and the manifest copied beside it; returns the file's bytes and the copy's path."""
+    width = max(6, len(str(max(c.index for c in final))))
+    lines = [jsonl_line({"id": f"{c.corpus}-{c.index:0{width}d}", "source": c.corpus, "prompt": c.text,
+                         **({"response": c.response} if c.response is not None else {})})
+             for c in final]
+    payload = ("\n".join(lines) + "\n").encode("utf-8")
+    atomic_write_bytes(out, payload)
+    manifest_copy = out.parent / "data_manifest.json"
+    atomic_write_bytes(manifest_copy, loaded.raw)
+    return payload, manifest_copy
+
+
+def _provenance(cfg: PromptsConfig, loaded: LoadedManifest, manifest_copy: Path, stats: dict[str, CorpusStats],
+                tokenizer_info: dict[str, Any], started: float) -> dict[str, Any]:
+    """Where the prompts came from: the manifest (and its copy), the corpus files' hashes, the tokenizer, the
+    config and the run."""
+    return {
+        "manifest": {
+            "path": cfg.manifest,
+            "resolved_path": str(loaded.path.resolve()) if loaded.path else None,
+            "builtin_default": loaded.path is None,
+            "sha256": loaded.sha256,
+            "copy": manifest_copy.name,
+            "content": json.loads(loaded.raw),
+        },
+        "files": [{"corpus": name, **{k: v for k, v in st.source.items()
+                                      if k in ("path", "resolved_path", "sha256")}}
+                  for name, st in stats.items() if "resolved_path" in st.source],
+        "tokenizer": tokenizer_info,
+        "config": cfg.to_json_dict(),
+        "run": run_metadata(),
+        "seconds": round(time.time() - started, 2),
+    }
 
 
 def _read_eval_sets(paths: list[str]) -> tuple[list[dict[str, Any]], list[str]]:

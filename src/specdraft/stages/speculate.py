@@ -4,7 +4,8 @@ speculative sampling's acceptance rule, against plain sampling in the same loop;
 
 The algorithm is ``drafting.speculative.speculative_generate``; ``drafting.timing`` runs it for every drafter
 and k against plain greedy in the same loop and checks every output against plain greedy (a mismatch is an
-error). This stage loads the target and the drafters -- an in-process draft keeps its KV cache across steps
+error). This stage loads the target and the drafters its config asks for, each named by a spec
+(``drafting.spec.DrafterSpec``, recorded in the report) -- an in-process draft keeps its KV cache across steps
 (``CachedDraftModel``), or re-prefills (``ModelDrafter``); the draft server (``HTTPDrafter``); prompt lookup;
 the draft behind lookup -- and writes ``speculate.json``, ``speculate.md`` and a plot of tokens/s per k.
 
@@ -21,57 +22,43 @@ import logging
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 from pydantic import Field, field_validator, model_validator
-from transformers import AutoTokenizer
 
 from specdraft.core import plots
 from specdraft.core.config import StageConfig
 from specdraft.core.io import atomic_write_json, atomic_write_text, read_json, sha256_file
 from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.core.records import read_prompts
+from specdraft.core.wire import MAX_DRAFT_TOKENS, MAX_TOP_ALTERNATIVES
 from specdraft.drafting.base import Drafter
-from specdraft.drafting.batched import ModelDrafter
-from specdraft.drafting.cached import CachedDraftModel
+from specdraft.drafting.build import (
+    BuiltDrafter,
+    InProcessSettings,
+    behind_lookup,
+    in_process_drafter,
+    llama_cpp_draft,
+    load_in_process_draft,
+)
 from specdraft.drafting.calibration import DEFAULT_DRAFT_CONFIDENCE
-from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM, HybridDrafter
-from specdraft.drafting.llamacpp import LlamaCppDrafter, LlamaCppNgramDrafter
+from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM
+from specdraft.drafting.llamacpp import LlamaCppNgramDrafter
 from specdraft.drafting.lookup import LookupDrafter
-from specdraft.drafting.remote import MAX_TOP_ALTERNATIVES, HTTPDrafter
+from specdraft.drafting.remote import HTTPDrafter
+from specdraft.drafting.spec import LLAMA_CPP_RESERVED_NAMES, RESERVED_NAMES, DrafterSpec
 from specdraft.drafting.timing import Prompt, run_speculation_bench
+from specdraft.drafting.timing_report import results_markdown
 from specdraft.model.chat import encode_prompts
 from specdraft.model.device import DEVICE_HELP, resolve_device
-from specdraft.model.llamacpp import (
-    LlamaCppTarget,
-    batched_against_sequential,
-    check_gguf_file,
-    llama_cpp_version,
-    requantize,
-    vocab_compatible,
-)
-from specdraft.model.loader import load_draft
+from specdraft.model.llamacpp import LlamaCppTarget, batched_against_sequential, llama_cpp_version, requantize
 from specdraft.model.sampling import SamplingParams
-from specdraft.model.specs import (
-    DEFAULT_TARGET,
-    describe_source,
-    embedded_gguf_path,
-    load_model,
-    load_tokenizer,
-    tokenizer_fingerprint,
-)
+from specdraft.model.specs import DEFAULT_TARGET, describe_source, embedded_gguf_path, load_model, load_tokenizer
 from specdraft.model.targets import TargetModel, TorchTarget
-from specdraft.quant.compute_choice import COMPUTE_HELP, SPECULATE_WORKLOAD, ComputeSetting
+from specdraft.quant.compute_choice import COMPUTE_HELP, ComputeSetting
 
 log = logging.getLogger(__name__)
-
-
-# the drafters build_drafters names itself; an also_draft must not take one of them
-RESERVED_DRAFTER_NAMES = frozenset({"baseline", "draft", "draft-eager", "draft-hf", "draft-prob", "draft-reprefill",
-                                    "draft+lookup", "lookup", "server"})
-# and the names the llama.cpp engine gives its own extra drafters
-LLAMA_CPP_DRAFTER_NAMES = frozenset({"ngram", "self"})
 
 
 class SpeculateConfig(StageConfig):
@@ -169,6 +156,11 @@ class SpeculateConfig(StageConfig):
         return DEFAULT_DRAFT_CONFIDENCE[rule] if conf is None else conf
 
     @property
+    def also_drafts(self) -> dict[str, str]:
+        """``also_draft`` as {NAME: DIR}."""
+        return dict(item.split("=", 1) for item in self.also_draft)
+
+    @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
@@ -191,17 +183,17 @@ class SpeculateConfig(StageConfig):
         names = []
         for item in value:
             name, sep, path = item.partition("=")
-            if not sep or not name or not path or name in RESERVED_DRAFTER_NAMES or name in names:
+            if not sep or not name or not path or name in RESERVED_NAMES or name in names:
                 raise ValueError(f"also_draft {item!r}: want NAME=DIR with a NAME used once and not one of "
-                                 f"{sorted(RESERVED_DRAFTER_NAMES)}")
+                                 f"{sorted(RESERVED_NAMES)}")
             names.append(name)
         return value
 
     @field_validator("k")
     @classmethod
     def _k_positive(cls, value: list[int]) -> list[int]:
-        if not value or any(k < 1 or k > 64 for k in value):
-            raise ValueError(f"k must be a non-empty list of ints in 1..64, got {value}")
+        if not value or any(k < 1 or k > MAX_DRAFT_TOKENS for k in value):
+            raise ValueError(f"k must be a non-empty list of ints in 1..{MAX_DRAFT_TOKENS}, got {value}")
         return sorted(set(value))
 
 
@@ -217,62 +209,128 @@ def load_prompts(path: str | os.PathLike, tokenizer, limit: int | None = None,
             for r in records]
 
 
-def _check_tokenizer(draft_dir: Path, target_tokenizer) -> None:
-    try:
-        draft_tok = AutoTokenizer.from_pretrained(draft_dir)
-    except Exception as e:  # a dir without tokenizer files: nothing to compare
-        log.warning("draft %s: no tokenizer to compare with the target's (%s)", draft_dir, e)
-        return
-    if tokenizer_fingerprint(draft_tok) != tokenizer_fingerprint(target_tokenizer):
-        raise ValueError(f"draft {draft_dir}: its tokenizer differs from the target's (vocabulary hash "
-                         "mismatch); a draft must share the target's token ids")
-
-
-def build_drafters(config: SpeculateConfig, target_tokenizer) -> list[tuple[str, Drafter, dict]]:
-    """(name, drafter, source) for the draft named in the config, plus the lookup peer baseline and every
-    ``also_draft``."""
-    out: list[tuple[str, Drafter, dict]] = []
-    spec = config.draft
-    lean = config.draft_lean != "off"
-    compiled = lean and config.draft_compile != "off"
-    if spec == "none":
-        pass
-    elif spec == "lookup":
-        out.append(("lookup", LookupDrafter(), {"kind": "lookup"}))
-    elif spec.startswith(("http://", "https://")):
-        out.append(("server", HTTPDrafter(spec, concurrency=1, name="server"), {"kind": "http", "url": spec}))
-    else:
-        model, source = _in_process_draft(spec, f"--draft {spec!r}: not a URL, not 'lookup' and not a directory",
-                                          config, target_tokenizer)
-        if config.draft_cache in ("keep", "both"):
-            out.append(_kept_cache(config, model, source, "draft", lean, compiled))
-            if config.draft_stop == "both":
-                out.append(_kept_cache(config, model, source, "draft-prob", lean, compiled, "probability"))
-            if compiled and config.draft_compile == "both":
-                out.append(_kept_cache(config, model, source, "draft-eager", True, False))
-            if config.draft_lean == "both":
-                out.append(_kept_cache(config, model, source, "draft-hf", False, False))
-        if config.draft_cache in ("reprefill", "both"):
-            name = "draft-reprefill" if config.draft_cache == "both" else "draft"
-            out.append((name, ModelDrafter(model, name=name, max_batch_size=1), {**source, "draft_cache": "reprefill"}))
-    if config.hybrid_min_ngram is not None and spec not in ("lookup", "none"):
-        # Its own drafter instance (a separate draft cache), so the plain draft's rows stay untouched.
-        base_name, base, base_source = out[0]
-        if isinstance(base, CachedDraftModel):
-            base = CachedDraftModel(base.model, base_name, lean=base.lean is not None,
-                                    min_confidence=base.min_confidence, compile=base.compiled, stop=base.stop)
-        out.append(("draft+lookup", HybridDrafter(base, config.hybrid_min_ngram, name="draft+lookup"),
-                    {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "draft": base_source}))
-    if config.baseline_lookup and spec != "lookup":
-        out.append(("lookup", LookupDrafter(), {"kind": "lookup"}))
-    for item in config.also_draft:
-        name, _, path = item.partition("=")
-        model, source = _in_process_draft(path, f"--also-draft {name} {path!r}: not a directory", config,
-                                          target_tokenizer)
-        out.append(_kept_cache(config, model, source, name, lean, compiled))
+def drafter_specs(config: SpeculateConfig) -> list[DrafterSpec]:
+    """The drafters the config asks for, in the report's order: the ``--draft`` (with its side-by-side variants),
+    it behind lookup, the lookup peer baseline and every ``--also-draft``; in llama.cpp also the target's own
+    file and llama-cpp-python's n-gram drafter."""
+    if config.engine == "llama.cpp":
+        return _llama_cpp_specs(config)
+    draft, specs = config.draft, []
+    if draft == "lookup":
+        specs.append(DrafterSpec("lookup"))
+    elif draft.startswith(("http://", "https://")):
+        specs.append(DrafterSpec("server"))
+    elif draft != "none":
+        specs += [DrafterSpec("draft", variant=v) for v in _draft_variants(config)]
+    if config.hybrid_min_ngram is not None and draft not in ("lookup", "none"):
+        specs.append(DrafterSpec(specs[0].role, behind_lookup=True))
+    if config.baseline_lookup and draft != "lookup":
+        specs.append(DrafterSpec("lookup"))
+    for name in config.also_drafts:
+        # an --also-draft named self is the self-draft: the target's own weights, packed
+        role, alias = ("self", None) if name == "self" else ("named", name)
+        specs.append(DrafterSpec(role, alias=alias))
         if config.draft_stop == "both":
-            out.append(_kept_cache(config, model, source, f"{name}-prob", lean, compiled, "probability"))
+            specs.append(DrafterSpec(role, alias=alias, variant="prob"))
+    return specs
+
+
+def _draft_variants(config: SpeculateConfig) -> list[str | None]:
+    """The in-process --draft's variants timed side by side (None: the draft as configured)."""
+    out: list[str | None] = []
+    if config.draft_cache in ("keep", "both"):
+        out.append(None)
+        if config.draft_stop == "both":
+            out.append("prob")
+        if config.draft_lean != "off" and config.draft_compile == "both":
+            out.append("eager")
+        if config.draft_lean == "both":
+            out.append("hf")
+    if config.draft_cache in ("reprefill", "both"):
+        out.append("reprefill" if config.draft_cache == "both" else None)
     return out
+
+
+def _llama_cpp_specs(config: SpeculateConfig) -> list[DrafterSpec]:
+    specs = []
+    if config.draft not in ("lookup", "none"):
+        specs.append(DrafterSpec("draft", "llama.cpp"))
+        if config.hybrid_min_ngram is not None:
+            specs.append(DrafterSpec("draft", "llama.cpp", behind_lookup=True))
+    if config.self_draft:
+        specs.append(DrafterSpec("self", "llama.cpp"))
+    for item in config.also_draft:
+        name = item.partition("=")[0]
+        if name in LLAMA_CPP_RESERVED_NAMES:
+            raise ValueError(f"--also-draft {item!r}: with --engine llama.cpp the name {name!r} is taken "
+                             f"(the engine's own drafters: {sorted(LLAMA_CPP_RESERVED_NAMES)})")
+        specs.append(DrafterSpec("named", "llama.cpp", alias=name))
+    if config.ngram_baseline:
+        specs.append(DrafterSpec("ngram", "llama.cpp"))
+    if config.baseline_lookup or config.draft == "lookup":
+        specs.append(DrafterSpec("lookup", "llama.cpp"))
+    return specs
+
+
+def in_process_settings(config: SpeculateConfig, spec: DrafterSpec) -> InProcessSettings:
+    """How an in-process drafter of ``spec`` drafts: the config's settings, changed in the one its variant
+    changes (an --also-draft always keeps its cache)."""
+    if spec.variant == "reprefill" or (spec.role == "draft" and not spec.variant and config.draft_cache == "reprefill"):
+        return InProcessSettings(cache="reprefill")
+    lean = {"eager": True, "hf": False}.get(spec.variant, config.draft_lean != "off")
+    compiled = lean and spec.variant not in ("eager", "hf") and config.draft_compile != "off"
+    stop = "calibrated" if config.draft_stop == "both" else config.draft_stop
+    stop = "probability" if spec.variant == "prob" else stop
+    return InProcessSettings("keep", lean, compiled, stop, config.stop_threshold(stop))
+
+
+def _build(specs: list[DrafterSpec], min_ngram: int | None,
+           model_drafter: Callable[[DrafterSpec], tuple[Drafter, dict]]) -> list[BuiltDrafter]:
+    """Prompt lookup and the drafters behind it, any engine; ``model_drafter`` makes the others."""
+    def build(spec: DrafterSpec) -> tuple[Drafter, dict]:
+        if spec.role == "lookup":
+            return LookupDrafter(), {"kind": "lookup"}
+        if spec.behind_lookup:  # a drafter of its own behind lookup: a kept cache follows one sequence
+            return behind_lookup(*build(DrafterSpec(spec.role, spec.engine)), min_ngram, name=spec.name)
+        return model_drafter(spec)
+
+    return [BuiltDrafter(spec, *build(spec)) for spec in specs]
+
+
+def build_drafters(config: SpeculateConfig, target_tokenizer) -> list[BuiltDrafter]:
+    """The torch engine's drafters of ``drafter_specs(config)``; each draft model loaded once, shared by its
+    variants."""
+    loaded: dict[str, tuple[Any, dict]] = {}
+
+    def model_drafter(spec: DrafterSpec) -> tuple[Drafter, dict]:
+        if spec.role == "server":
+            return HTTPDrafter(config.draft, concurrency=1, name=spec.name), {"kind": "http", "url": config.draft}
+        key = spec.alias or spec.role  # the --draft, or an --also-draft's NAME
+        if key not in loaded:
+            path = config.draft if key == "draft" else config.also_drafts[key]
+            not_a_dir = (f"--draft {path!r}: not a URL, not 'lookup' and not a directory" if key == "draft"
+                         else f"--also-draft {key} {path!r}: not a directory")
+            loaded[key] = load_in_process_draft(path, not_a_dir, config.draft_compute, config.device,
+                                                target_tokenizer)
+        model, source = loaded[key]
+        settings = in_process_settings(config, spec)
+        return in_process_drafter(model, spec.name, settings), {**source, **settings.record()}
+
+    return _build(drafter_specs(config), config.hybrid_min_ngram, model_drafter)
+
+
+def build_llama_cpp_drafters(config: SpeculateConfig, target_gguf: Path, n_ctx: int,
+                             threads: int) -> list[BuiltDrafter]:
+    """The llama.cpp engine's drafters of ``drafter_specs(config)``: GGUF files with their KV cache kept across
+    steps, llama-cpp-python's n-gram drafter and prompt lookup."""
+    def model_drafter(spec: DrafterSpec) -> tuple[Drafter, dict]:
+        if spec.role == "ngram":
+            return LlamaCppNgramDrafter(), {"kind": "llama-cpp-python LlamaPromptLookupDecoding", "max_ngram": 2}
+        path, what = {"draft": (config.draft, "--draft"), "self": (target_gguf, "the target's own file"),
+                      "named": (config.also_drafts.get(spec.alias), f"--also-draft {spec.alias}")}[spec.role]
+        return llama_cpp_draft(path, target_gguf, n_ctx, threads, what, name=spec.name)
+
+    return _build(drafter_specs(config), config.hybrid_min_ngram, model_drafter)
 
 
 def target_gguf_path(config: SpeculateConfig) -> Path:
@@ -283,50 +341,6 @@ def target_gguf_path(config: SpeculateConfig) -> Path:
         raise ValueError(f"--engine llama.cpp with --target {config.target!r}: name the target's GGUF file with "
                          "--target-gguf (only an embedded target brings its own)")
     return embedded_gguf_path(config.target.removeprefix("embedded:"))
-
-
-def _llama_cpp_draft(name: str, path: str | os.PathLike, target_gguf: Path, n_ctx: int, threads: int,
-                     what: str) -> tuple[str, Drafter, dict]:
-    """A GGUF draft in llama.cpp, refused (with llama.cpp's own reasons) when llama.cpp would not speculate
-    with it for this target."""
-    try:
-        path = check_gguf_file(path)
-    except ValueError as e:
-        raise ValueError(f"{what}: {e}") from None
-    check = vocab_compatible(target_gguf, path)
-    if not check["compatible"]:
-        raise ValueError(f"{what} {path}: llama.cpp finds its vocabulary incompatible with the target's "
-                         f"{target_gguf.name} ({check})")
-    return (name, LlamaCppDrafter(path, n_ctx=n_ctx, threads=threads, name=name),
-            {"kind": "llama.cpp", "gguf": str(path), "sha256": sha256_file(path)})
-
-
-def build_llama_cpp_drafters(config: SpeculateConfig, target_gguf: Path, n_ctx: int,
-                             threads: int) -> list[tuple[str, Drafter, dict]]:
-    """(name, drafter, source) for --engine llama.cpp: the --draft GGUF (and behind lookup), the target's own
-    file as its self-draft, every --also-draft GGUF, llama-cpp-python's n-gram drafter and prompt lookup."""
-    out: list[tuple[str, Drafter, dict]] = []
-    spec = config.draft
-    if spec not in ("lookup", "none"):
-        out.append(_llama_cpp_draft("draft", spec, target_gguf, n_ctx, threads, "--draft"))
-        if config.hybrid_min_ngram is not None:
-            _, behind, source = _llama_cpp_draft("draft", spec, target_gguf, n_ctx, threads, "--draft")
-            out.append(("draft+lookup", HybridDrafter(behind, config.hybrid_min_ngram, name="draft+lookup"),
-                        {"kind": "hybrid", "min_ngram": config.hybrid_min_ngram, "draft": source}))
-    if config.self_draft:
-        out.append(_llama_cpp_draft("self", target_gguf, target_gguf, n_ctx, threads, "the target's own file"))
-    for item in config.also_draft:
-        name, _, path = item.partition("=")
-        if name in LLAMA_CPP_DRAFTER_NAMES:
-            raise ValueError(f"--also-draft {item!r}: with --engine llama.cpp the name {name!r} is taken "
-                             f"(the engine's own drafters: {sorted(LLAMA_CPP_DRAFTER_NAMES)})")
-        out.append(_llama_cpp_draft(name, path, target_gguf, n_ctx, threads, f"--also-draft {name}"))
-    if config.ngram_baseline:
-        out.append(("ngram", LlamaCppNgramDrafter(), {"kind": "llama-cpp-python LlamaPromptLookupDecoding",
-                                                      "max_ngram": 2}))
-    if config.baseline_lookup or spec == "lookup":
-        out.append(("lookup", LookupDrafter(), {"kind": "lookup"}))
-    return out
 
 
 def full_precision_gguf(source: Path, out_dir: Path, threads: int) -> Path:
@@ -342,27 +356,6 @@ def full_precision_gguf(source: Path, out_dir: Path, threads: int) -> Path:
                                "made_by": "llama_model_quantize (llama-quantize --allow-requantize)",
                                "sha256": sha256_file(out)})
     return out
-
-
-def _in_process_draft(path: str, not_a_dir: str, config: SpeculateConfig, target_tokenizer) -> tuple[Any, dict]:
-    """A draft model dir loaded for in-process drafting, with its source record (``not_a_dir``: the error
-    when it is none)."""
-    draft_dir = Path(path)
-    if not draft_dir.is_dir():
-        raise ValueError(not_a_dir)
-    _check_tokenizer(draft_dir, target_tokenizer)
-    model, source = load_draft(draft_dir, config.draft_compute, device=config.device, workload=SPECULATE_WORKLOAD)
-    return model, {"kind": "in-process", **source}
-
-
-def _kept_cache(config: SpeculateConfig, model, source: dict, name: str, lean: bool, compile: bool,
-                stop: str | None = None) -> tuple[str, Drafter, dict]:
-    """``stop``: the stop rule (None: the config's; with ``draft_stop`` "both", the calibrated one)."""
-    stop = stop or ("calibrated" if config.draft_stop == "both" else config.draft_stop)
-    conf = config.stop_threshold(stop)
-    return (name, CachedDraftModel(model, name, lean=lean, min_confidence=conf, compile=compile, stop=stop),
-            {**source, "draft_cache": "keep", "lean": lean, "compile": compile, "stop": stop,
-             "min_confidence": conf})
 
 
 def _draft_compute_text(report: dict[str, Any]) -> str:
@@ -430,14 +423,14 @@ def speculate_markdown(report: dict[str, Any]) -> str:
         f"Clock: **{report['clock']}** (tokens/s, speedup and best k use it; the other is in the JSON"
         + ("; CPU time = this process's CPU seconds, at 1 thread immune to other processes' load"
            if report["clock"] == "cpu" else "") + ").", ""]
-    lines += _results_markdown(report)
+    lines += results_markdown(report)
     full = report.get("full_precision")
     if full:
         lines += ["", "## Full-precision target", "",
                   f"The target at F32 (`{Path(full['target']['gguf']).name}`, llama.cpp's quantize of "
                   f"`{Path(full['target']['from']).name}`) against its own 4-bit file as its draft, same prompts "
                   "and k; the baseline is llama.cpp's plain decoding of the F32 file.", ""]
-        lines += _results_markdown(full)
+        lines += results_markdown(full)
     for name, error in report.get("compile_errors", {}).items():
         lines.append(f"{name}: torch.compile failed ({error}); its steps ran eagerly.")
     if report.get("plot"):
@@ -447,104 +440,8 @@ def speculate_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _results_markdown(result: dict[str, Any]) -> list[str]:
-    """One engine run's tables: the baseline, every drafter and k, the spread over passes, the prediction."""
-    base, exact = result["baseline"], result.get("exact_engine", True)
-    sampled = bool(result.get("sampling"))
-    lines = [f"Plain {'sampling' if sampled else 'greedy'} (same decode loop with no drafts, same run, alternated "
-             f"per prompt): **{base['tokens_per_s']:.2f} tokens/s** ({base['tokens']} tokens; wall "
-             f"{base['tokens_per_s_wall']:.2f}, CPU {base['tokens_per_s_cpu']:.2f} tokens/s)"
-             + ("." if sampled else f"; the reference decode: {result['greedy_decode']['tokens_per_s']:.2f} "
-                                    "tokens/s."), ""]
-    if sampled:
-        lines.append("Sampled outputs differ from run to run by design; the sampler's output distribution is "
-                     "checked against plain sampling in tests/drafting/test_speculative_sampling.py. Acceptance = "
-                     "drafted tokens kept by the probabilistic rule.")
-    elif exact:
-        lines.append(f"Output identical to plain greedy for every prompt, drafter and k: "
-                     f"**{'yes' if result['lossless'] else 'NO (' + str(len(result['mismatches'])) + ' mismatches)'}"
-                     "**.")
-    else:
-        runs = sum(1 for row in result["per_prompt"] for key in row["runs"] if key != "baseline")
-        lines.append(f"Outputs equal to the engine's plain greedy: **{runs - len(result['mismatches'])} of {runs}** "
-                     "runs. This engine computes a pass over several tokens with other kernels than a one-token pass "
-                     "(by design), so where the top two tokens are close a verify pass may choose the other one; "
-                     "where outputs part is in the JSON (`mismatches`: prompt, drafter, k, first differing token).")
-        consistency = result.get("engine_consistency")
-        if consistency:
-            gap = consistency["median_top2_gap_where_differs"]
-            lines.append(f"Measured on the plain greedy outputs themselves (teacher-forced): passes of "
-                         f"{consistency['pass_tokens']} tokens, as a verify pass at the largest k, pick another argmax "
-                         f"than the one-token passes at **{consistency['argmax_differs']} of "
-                         f"{consistency['positions']}** positions; the logits differ by up to "
-                         f"{consistency['max_logit_difference']:.2f} (largest logit {consistency['logit_scale']:.1f})"
-                         + (f", and where the argmax differs the top two were {gap:.3f} apart (median)"
-                            if gap is not None else "") + ".")
-    lines += ["", "| drafter | k | tokens/s | speedup | predicted | speedup (wall) | speedup (CPU) | "
-                  "accepted drafts/step | tokens/step | acceptance | draft time |" + ("" if exact else " = plain |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|" + ("" if exact else "---|")]
-    for name, res in result["drafters"].items():
-        for k, row in res["per_k"].items():
-            mark = " **(best)**" if int(k) == res["best_k"] else ""
-            predicted = row.get("predicted_speedup")
-            lines.append(f"| {name} | {k}{mark} | {row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | "
-                         + (f"{predicted:.2f}x" if predicted is not None else "-")
-                         + f" | {row['speedup_wall']:.2f}x | {row['speedup_cpu']:.2f}x | "
-                         f"{row['accepted_per_step']:.2f} | {row['tokens_per_step']:.2f} | "
-                         f"{row['acceptance_rate']:.2f} | {row['draft_time_share']:.0%} |"
-                         + ("" if exact else f" {row.get('equal_to_plain_greedy', 0):.0%} |"))
-    lines += ["", "accepted drafts/step = draft tokens kept per target verify pass; tokens/step adds the target's "
-              "own token; acceptance = accepted / drafted; draft time = share of wall time spent drafting; "
-              "predicted = the speed-up predicted from measured costs (below), before this table was measured."]
-    for name, res in result["drafters"].items():
-        shares = {k: row["lookup_step_share"] for k, row in res["per_k"].items() if "lookup_step_share" in row}
-        if shares:
-            lines.append(f"{name}: share of steps drafted by prompt lookup instead of the model: "
-                         + ", ".join(f"k={k} {v:.0%}" for k, v in shares.items()) + ".")
-    if result.get("repeats", 1) > 1:
-        lines += ["", f"Speed-up in each of the {result['repeats']} passes over the prompts (each against the plain "
-                      "greedy of the same pass): median and range, at each drafter's best k.", ""]
-        for name, res in result["drafters"].items():
-            row = res["per_k"][str(res["best_k"])]
-            low, high = row["speedup_range"]
-            lines.append(f"- {name} (k = {res['best_k']}): median {row['speedup_median']:.2f}x, range "
-                         f"{low:.2f}x to {high:.2f}x")
-    if result.get("prediction"):
-        lines += [""] + prediction_markdown(result["prediction"])
-    return lines
-
-
-def prediction_markdown(prediction: dict[str, Any]) -> list[str]:
-    """The predicted speed-ups beside the measured ones, the costs they come from, and the verdict."""
-    costs = prediction["costs"]
-    passes = ", ".join(f"{n}: {1000 * s:.1f} ms" for n, s in costs["pass_seconds"].items()
-                       if int(n) in (1, 2, 3, 5, 9, 17) or n == max(costs["pass_seconds"], key=int))
-    lines = ["### Predicted from measured costs", "",
-             f"Target passes ({prediction['engine']}, median seconds by tokens in the pass) {passes}. "
-             "speed-up(k) = E_k c_1 / (c_v(k+1) + c_d(k)): E_k tokens per step from the drafter's acceptance per "
-             "position, c_d its draft seconds per step (a replay of the drafter over the target's greedy output), "
-             "c_v the pass over the drafted tokens + 1 (drafting.prediction).", "",
-             "| drafter | k | predicted | measured | predicted / measured | tokens/step | draft cost per token "
-             "(target steps) | acceptance at positions 1, 2, 4, k |", "|---|---|---|---|---|---|---|---|"]
-    for name, rows in prediction["drafters"].items():
-        for k, row in rows.items():
-            acc = row["acceptance_per_position"]
-            picks = ", ".join(f"{acc[i - 1]:.2f}" for i in sorted({1, 2, 4, int(k)}) if i <= len(acc))
-            ratio = row.get("predicted_over_measured")
-            lines.append(f"| {name} | {k} | {row['predicted_speedup']:.2f}x | {row.get('measured_speedup', 0):.2f}x | "
-                         + (f"{ratio:.2f}" if ratio else "-") + f" | {row['tokens_per_step']:.2f} | "
-                         f"{row['draft_cost_per_token_vs_target_step']:.2f} | {picks} |")
-    lines += [""] + [f"- {line}" for line in prediction["verdict"]]
-    return lines
-
-
-def _compile_errors(drafters: list[tuple[str, Drafter, dict]]) -> dict[str, str]:
-    """{drafter: why torch.compile failed} for compiled drafts that fell back to eager steps."""
-    return {name: drafter.compile_error for name, drafter, _ in drafters if drafter.compile_error}
-
-
 def _load_target(config: SpeculateConfig, tokenizer, prompts: list[Prompt], stack: ExitStack
-                 ) -> tuple[TargetModel, list[tuple[str, Drafter, dict]], dict[str, Any]]:
+                 ) -> tuple[TargetModel, list[BuiltDrafter], dict[str, Any]]:
     """The target, the drafters and the target's source record, for the configured engine (all closed by
     ``stack``)."""
     if config.engine == "torch":
@@ -561,9 +458,9 @@ def _load_target(config: SpeculateConfig, tokenizer, prompts: list[Prompt], stac
                               "tokenizer": describe_source(config.target)}
 
 
-def _close_all(drafters: list[tuple[str, Drafter, dict]]) -> None:
-    for _, drafter, _ in drafters:
-        drafter.close()
+def _close_all(drafters: list[BuiltDrafter]) -> None:
+    for built in drafters:
+        built.drafter.close()
 
 
 def _llama_threads(config: SpeculateConfig) -> int:
@@ -572,6 +469,18 @@ def _llama_threads(config: SpeculateConfig) -> int:
 
 def _context_size(config: SpeculateConfig, prompts: list[Prompt]) -> int:
     return max(len(p.ids) for p in prompts) + config.max_new_tokens + max(config.k) + 8
+
+
+def _bench(config: SpeculateConfig, target: TargetModel, drafters: list[BuiltDrafter],
+           prompts: list[Prompt]) -> dict[str, Any]:
+    """Every drafter and k timed against plain decoding (``drafting.timing``), with the drafters' specs and
+    sources."""
+    result = run_speculation_bench(target, [(d.name, d.drafter) for d in drafters], prompts, config.k,
+                                   config.max_new_tokens, warmup=config.warmup, progress=True, clock=config.clock,
+                                   repeats=config.repeats, predict=config.predict, sampling=config.sampling,
+                                   seed=config.seed)
+    return {**result, "drafter_specs": {d.name: d.spec.to_json() for d in drafters},
+            "drafter_sources": {d.name: d.source for d in drafters}}
 
 
 def engine_consistency(target: LlamaCppTarget, prompts: list[Prompt], max_new_tokens: int,
@@ -596,14 +505,63 @@ def _full_precision(config: SpeculateConfig, prompts: list[Prompt], out: Path) -
     with ExitStack() as stack:
         target = LlamaCppTarget(f32, n_ctx=n_ctx, threads=threads, name="target-F32")
         stack.callback(target.close)
-        drafters = [_llama_cpp_draft("self-4bit", gguf, f32, n_ctx, threads, "the target's own file")]
+        spec = DrafterSpec("self-4bit", "llama.cpp")
+        drafters = [BuiltDrafter(spec, *llama_cpp_draft(gguf, f32, n_ctx, threads, "the target's own file",
+                                                        name=spec.name))]
         stack.callback(_close_all, drafters)
-        result = run_speculation_bench(target, drafters, prompts, config.k, config.max_new_tokens,
-                                       warmup=config.warmup, progress=True, clock=config.clock,
-                                       repeats=config.repeats, predict=config.predict)
+        result = _bench(config, target, drafters, prompts)
         result["engine_consistency"] = engine_consistency(target, prompts, config.max_new_tokens, max(config.k) + 1)
-    return {"target": {"gguf": str(f32), "sha256": sha256_file(f32), "from": str(gguf)},
-            "drafter_sources": {name: source for name, _, source in drafters}, **result}
+    return {"target": {"gguf": str(f32), "sha256": sha256_file(f32), "from": str(gguf)}, **result}
+
+
+def _warn_about_the_clock(config: SpeculateConfig) -> None:
+    if config.clock == "cpu" and torch.get_num_threads() != 1:
+        log.warning("clock=cpu with %d torch threads: CPU seconds add up over threads, so tokens/s on that "
+                    "clock is not a rate you would see; use --threads 1", torch.get_num_threads())
+    if config.clock == "cpu" and config.draft.startswith(("http://", "https://")):
+        log.warning("clock=cpu with a draft server: the server's CPU time is not counted")
+
+
+def _measure(config: SpeculateConfig, out: Path, stack: ExitStack) -> dict[str, Any]:
+    """The report's measurements: the main table, and in llama.cpp the engine's consistency and the
+    full-precision table (the main table's models closed first)."""
+    tokenizer = load_tokenizer(config.target)
+    prompts = load_prompts(config.prompts, tokenizer, config.num_prompts, config.chat_template)
+    target, drafters, target_source = _load_target(config, tokenizer, prompts, stack)
+    log.info("%s engine: %d prompts, drafters %s, k %s, %d new tokens", config.engine, len(prompts),
+             [d.name for d in drafters], config.k, config.max_new_tokens)
+    result = _bench(config, target, drafters, prompts)
+    threads = _llama_threads(config) if config.engine == "llama.cpp" else torch.get_num_threads()
+    report: dict[str, Any] = {"config": config.to_json_dict(), "note": config.note, "prompts": len(prompts),
+                              "threads": threads, "target": target_source, **result,
+                              "compile_errors": {d.name: d.drafter.compile_error for d in drafters
+                                                 if d.drafter.compile_error}}
+    if config.engine == "llama.cpp":
+        report["llama_cpp_python"] = llama_cpp_version()
+        report["engine_consistency"] = engine_consistency(target, prompts, config.max_new_tokens, max(config.k) + 1)
+        stack.close()  # the main table's models out of memory before the full-precision target loads
+        if config.full_precision:
+            atomic_write_json(out / "speculate.json", report)
+            report["full_precision"] = _full_precision(config, prompts, out)
+    return report
+
+
+def _render(config: SpeculateConfig, report: dict[str, Any], out: Path) -> None:
+    """The plot and speculate.md, then the provenance with their sha256 (the report rewritten)."""
+    report["plot"] = plots.plot_throughput_by_k(
+        {name: {int(k): row["tokens_per_s"] for k, row in res["per_k"].items()}
+         for name, res in report["drafters"].items()},
+        report["baseline"]["tokens_per_s"], out / "speculate_tokens_per_s.png",
+        ylabel=f"tokens/s ({config.clock} clock, {config.engine})").name
+    atomic_write_text(out / "speculate.md", speculate_markdown(report))
+    report["provenance"] = {
+        **run_metadata(), "stage": "speculate",
+        "target": report["target"],
+        "drafters": report["drafter_sources"],
+        "prompts_sha256": sha256_file(config.prompts),
+        "files": {n: sha256_file(out / n) for n in ("speculate.md", report["plot"])},
+    }
+    atomic_write_json(out / "speculate.json", report)
 
 
 def run_speculate(config: SpeculateConfig) -> int:
@@ -612,60 +570,23 @@ def run_speculate(config: SpeculateConfig) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     with stage_log(out / "speculate.log"), ExitStack() as stack:
-        if config.clock == "cpu" and torch.get_num_threads() != 1:
-            log.warning("clock=cpu with %d torch threads: CPU seconds add up over threads, so tokens/s on that "
-                        "clock is not a rate you would see; use --threads 1", torch.get_num_threads())
-        if config.clock == "cpu" and config.draft.startswith(("http://", "https://")):
-            log.warning("clock=cpu with a draft server: the server's CPU time is not counted")
-        tokenizer = load_tokenizer(config.target)
-        prompts = load_prompts(config.prompts, tokenizer, config.num_prompts, config.chat_template)
-        target, drafters, target_source = _load_target(config, tokenizer, prompts, stack)
-        log.info("%s engine: %d prompts, drafters %s, k %s, %d new tokens", config.engine, len(prompts),
-                 [d[0] for d in drafters], config.k, config.max_new_tokens)
-        result = run_speculation_bench(target, drafters, prompts, config.k, config.max_new_tokens,
-                                       warmup=config.warmup, progress=True, clock=config.clock,
-                                       repeats=config.repeats, predict=config.predict, sampling=config.sampling,
-                                       seed=config.seed)
-        threads = _llama_threads(config) if config.engine == "llama.cpp" else torch.get_num_threads()
-        report: dict[str, Any] = {"config": config.to_json_dict(), "note": config.note, "prompts": len(prompts),
-                                  "threads": threads, "target": target_source, **result,
-                                  "drafter_sources": {name: source for name, _, source in drafters},
-                                  "compile_errors": _compile_errors(drafters)}
-        if config.engine == "llama.cpp":
-            report["llama_cpp_python"] = llama_cpp_version()
-            report["engine_consistency"] = engine_consistency(target, prompts, config.max_new_tokens, max(config.k) + 1)
-            stack.close()  # the main table's models out of memory before the full-precision target loads
-            if config.full_precision:
-                atomic_write_json(out / "speculate.json", report)
-                report["full_precision"] = _full_precision(config, prompts, out)
-        # the measurements first: a failure while rendering them must not lose a long run (rewritten below with
-        # the rendered files' records)
+        _warn_about_the_clock(config)
+        report = _measure(config, out, stack)
+        # the measurements first: a failure while rendering them must not lose a long run (rewritten with the
+        # rendered files' records)
         atomic_write_json(out / "speculate.json", report)
-        report["plot"] = plots.plot_throughput_by_k(
-            {name: {int(k): row["tokens_per_s"] for k, row in res["per_k"].items()}
-             for name, res in result["drafters"].items()},
-            result["baseline"]["tokens_per_s"], out / "speculate_tokens_per_s.png",
-            ylabel=f"tokens/s ({config.clock} clock, {config.engine})").name
-        atomic_write_text(out / "speculate.md", speculate_markdown(report))
-        report["provenance"] = {
-            **run_metadata(), "stage": "speculate",
-            "target": target_source,
-            "drafters": {name: source for name, _, source in drafters},
-            "prompts_sha256": sha256_file(config.prompts),
-            "files": {n: sha256_file(out / n) for n in ("speculate.md", report["plot"])},
-        }
-        atomic_write_json(out / "speculate.json", report)
-        base = result["baseline"]["tokens_per_s"]
-        for name, res in result["drafters"].items():
+        _render(config, report, out)
+        base = report["baseline"]["tokens_per_s"]
+        for name, res in report["drafters"].items():
             plain = "sampling" if config.temperature else "greedy"
             msg = (f"{name}: best k={res['best_k']} {res['best_tokens_per_s']:.2f} tok/s = "
                    f"{res['best_speedup']:.2f}x plain {plain} ({base:.2f} tok/s, {config.clock} clock, "
                    f"{config.engine})")
             log.info(msg)
             print(msg)
-        if result["mismatches"] and result["exact_engine"]:
-            log.error("%d speculative runs differ from plain greedy: see %s", len(result["mismatches"]),
+        if report["mismatches"] and report["exact_engine"]:
+            log.error("%d speculative runs differ from plain greedy: see %s", len(report["mismatches"]),
                       out / "speculate.json")
-            print(f"ERROR: {len(result['mismatches'])} speculative outputs differ from plain greedy")
+            print(f"ERROR: {len(report['mismatches'])} speculative outputs differ from plain greedy")
             return 1
     return 0

@@ -16,9 +16,11 @@ Prompts are wrapped in the target's chat template (``add_generation_prompt=True`
 ``enable_thinking=False``); a target without a template gets the raw prompt (logged). Decoding is greedy
 only, in float32: the traces are the draft's training targets.
 
-Backends: ``hf`` runs ``model.decode.iter_greedy`` (continuous batching over a static KV cache,
-prompts longest first) on CPU or GPU; ``vllm`` hands token ids to ``vllm.LLM.generate`` (imported only
-then) for GPUs, with tensor parallelism inside one process and data parallelism as ``--shard i/n``.
+Backends are ``model.trace_backend.TraceBackend``s, used only through what that class declares: ``hf``
+(``HFBackend``) runs ``model.decode.iter_greedy`` (continuous batching over a static KV cache, prompts longest
+first) on CPU or GPU; ``vllm`` (``model.trace_vllm.VLLMBackend``) hands token ids to ``vllm.LLM.generate``
+(imported only then) for GPUs, with tensor parallelism inside one process and data parallelism as
+``--shard i/n``. A backend the stage builds it closes when decoding ends.
 
 merge-traces  the shards of one traces run (``--shard i/n``, one process or job each) -> one traces.jsonl in the
             prompts file's order, the rows a single run writes (a single run's file lists them as they finish);
@@ -33,6 +35,7 @@ is refused rather than mixed into the same file.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -42,12 +45,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
 
-import torch
 from pydantic import Field, field_validator, model_validator
 
 from specdraft.core.config import StageConfig
 from specdraft.core.io import (
     RecordFileError,
+    atomic_file,
     atomic_write_json,
     drop_last_group,
     jsonl_line,
@@ -57,7 +60,7 @@ from specdraft.core.io import (
     sha256_file,
 )
 from specdraft.core.provenance import run_metadata, stage_log
-from specdraft.core.records import read_prompts
+from specdraft.core.records import PromptRecord, read_prompts
 from specdraft.core.stage import (
     POINT_FIELDS,
     TRACE_FIELDS,
@@ -71,17 +74,12 @@ from specdraft.core.stage import (
     row_ids,
     side_paths,
 )
+from specdraft.core.wire import DRAFT_TOKENS
 from specdraft.model.chat import encode_prompts, has_chat_template
-from specdraft.model.decode import Generation, eos_token_ids, iter_greedy
-from specdraft.model.device import DEVICE_HELP, resolve_device
-from specdraft.model.specs import (
-    DEFAULT_TARGET,
-    describe_source,
-    load_model,
-    load_tokenizer,
-    resolve_model,
-    tokenizer_fingerprint,
-)
+from specdraft.model.device import DEVICE_HELP
+from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_tokenizer, tokenizer_fingerprint
+from specdraft.model.trace_backend import HFBackend, TraceBackend
+from specdraft.model.trace_vllm import VLLMBackend
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +140,9 @@ class ValidationConfig(_DecodeFields):
     out: Path = Field(description="output validation.jsonl; validation.summary.json and validation.log go "
                                   "beside it")
     max_new_tokens: int = Field(256, ge=1, description="length of the target's greedy continuation (stop at EOS)")
-    num_draft: int = Field(16, ge=1, description="target tokens per evaluation point; points every num_draft "
-                                                 "tokens (offsets 0, n, 2n, ...) while n tokens remain")
+    num_draft: int = Field(DRAFT_TOKENS, ge=1, description="target tokens per evaluation point; points every "
+                                                           "num_draft tokens (offsets 0, n, 2n, ...) while n tokens "
+                                                           "remain")
 
 
 class MergeTracesConfig(StageConfig):
@@ -166,125 +165,25 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-class HFBackend:
-    """specdraft's own decode loop: continuous batching over a static KV cache, longest prompts first."""
-
-    name = "hf"
-
-    def __init__(self, spec: str, device: str, batch_size: int):
-        self.device = resolve_device(device)
-        self.model = load_model(spec, device=self.device)  # float32: traces define the training targets
-        self.batch_size = batch_size
-
-    def eos_ids(self) -> set[int]:
-        return eos_token_ids(self.model)
-
-    def info(self) -> dict[str, Any]:
-        return {"backend": self.name, "device": self.device, "dtype": str(next(self.model.parameters()).dtype),
-                "batch_size": self.batch_size, "torch_threads": torch.get_num_threads()}
-
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 top_logprobs: int = 0) -> Iterator[tuple[int, Generation]]:
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        yield from iter_greedy(self.model, prompts, max_new_tokens, batch_size=self.batch_size, order=order,
-                               top_logprobs=top_logprobs)
-
-
-class VLLMBackend:
-    """vLLM's offline engine: token ids in, token ids out; greedy (temperature 0), float32."""
-
-    name = "vllm"
-
-    def __init__(self, spec: str, tensor_parallel_size: int, chunk: int, llm: Any = None, vllm_module: Any = None):
-        path = resolve_model(spec)
-        if vllm_module is None:
-            try:  # here, not at the top: an optional, heavy, GPU-only dependency that pins its own torch
-                import vllm as vllm_module  # noqa: F811
-            except ImportError as e:
-                raise ValueError("backend 'vllm' needs the vllm package (pip install vllm, on a machine with a GPU; "
-                                 "not tested here); use --backend hf otherwise") from e
-        self.vllm = vllm_module
-        self.llm = llm if llm is not None else vllm_module.LLM(
-            model=str(path), tokenizer=str(path), dtype="float32", tensor_parallel_size=tensor_parallel_size,
-            seed=0)
-        self.chunk = chunk
-        # vLLM stops at the tokenizer's EOS and at every generation-config EOS (stop_token_ids): know both.
-        self._tokenizer_eos = _tokenizer_eos(path)
-        self._eos = _eos_from_model_dir(path) | ({self._tokenizer_eos} if self._tokenizer_eos is not None else set())
-
-    def eos_ids(self) -> set[int]:
-        return set(self._eos)
-
-    def info(self) -> dict[str, Any]:
-        return {"backend": self.name, "dtype": "float32", "chunk": self.chunk,
-                "vllm_version": getattr(self.vllm, "__version__", None)}
-
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[tuple[int, Generation]]:
-        params = self.vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens,
-                                          stop_token_ids=sorted(self._eos))
-        for start in range(0, len(prompts), self.chunk):
-            idx = list(range(start, min(len(prompts), start + self.chunk)))
-            requests = [{"prompt_token_ids": list(prompts[i])} for i in idx]
-            outputs = self.llm.generate(prompts=requests, sampling_params=params, use_tqdm=False)
-            if len(outputs) != len(requests):
-                raise RuntimeError(f"vllm returned {len(outputs)} outputs for {len(requests)} requests")
-            for i, out in zip(idx, outputs):
-                yield i, vllm_generation(out, self._eos, self._tokenizer_eos)
-
-
-def vllm_generation(request_output: Any, eos: set[int], tokenizer_eos: int | None = None) -> Generation:
-    """A vLLM RequestOutput (``.outputs[0].token_ids``, ``.finish_reason`` stop|length) as a Generation whose
-    tokens end with the EOS when it stopped there, like the hf backend.
-
-    ``eos``: every id vLLM stops at (the tokenizer's EOS and the generation config's). vLLM reports a stop
-    token id in ``stop_reason`` and its own EOS check (``tokenizer_eos``) as ``stop_reason=None``; an EOS is
-    appended only when the output says it stopped on one and the token is not already its last."""
-    completion = request_output.outputs[0]
-    tokens = [int(t) for t in completion.token_ids]
-    reason = completion.finish_reason
-    if reason == "length":
-        return Generation(tokens, "length")
-    if reason != "stop":
-        raise RuntimeError(f"vllm request finished with {reason!r} (expected stop or length)")
-    if tokens and tokens[-1] in eos:
-        return Generation(tokens, "eos")
-    stop = getattr(completion, "stop_reason", None)
-    if isinstance(stop, int) and stop in eos:
-        return Generation(tokens + [stop], "eos")
-    if stop is None and tokenizer_eos is not None:
-        return Generation(tokens + [tokenizer_eos], "eos")
-    raise RuntimeError(f"vllm stopped without an EOS token in its output (last token "
-                       f"{tokens[-1] if tokens else None}, stop_reason={stop!r}, EOS ids {sorted(eos)})")
-
-
-def _eos_from_model_dir(path: Path) -> set[int]:
-    for name in ("generation_config.json", "config.json"):
-        f = path / name
-        if f.is_file():
-            eos = read_json(f).get("eos_token_id")
-            if eos is not None:
-                return set(eos) if isinstance(eos, list) else {int(eos)}
-    return set()
-
-
-def _tokenizer_eos(path: Path) -> int | None:
-    eos = load_tokenizer(path).eos_token_id
-    return None if eos is None else int(eos)
-
-
-def _backend_info(backend: Any) -> dict[str, Any]:
-    info = getattr(backend, "info", None)
-    return info() if callable(info) else {"backend": getattr(backend, "name", type(backend).__name__)}
-
-
-def make_backend(cfg: _DecodeFields):
+def make_backend(cfg: _DecodeFields) -> TraceBackend:
     if cfg.backend == "vllm":
         return VLLMBackend(cfg.target, cfg.tensor_parallel_size, cfg.vllm_chunk)
     return HFBackend(cfg.target, cfg.device, cfg.batch_size)
 
 
-def run_traces(cfg: TracesConfig, backend: Any = None) -> StageResult:
-    """``backend`` (optional) replaces the one built from the config (tests pass a fake vLLM engine)."""
+@contextlib.contextmanager
+def opened_backend(cfg: _DecodeFields, given: TraceBackend | None) -> Iterator[TraceBackend]:
+    """``given`` as it is (its caller closes it), else the config's backend, closed when decoding ends."""
+    if given is not None:
+        yield given
+        return
+    with make_backend(cfg) as backend:
+        yield backend
+
+
+def run_traces(cfg: TracesConfig, backend: TraceBackend | None = None) -> StageResult:
+    """``backend`` (optional) replaces the one built from the config (tests pass a fake vLLM engine); its caller
+    closes it."""
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary_path, log_path = side_paths(out)
@@ -292,7 +191,8 @@ def run_traces(cfg: TracesConfig, backend: Any = None) -> StageResult:
         return _run_traces(cfg, out, summary_path, log_path, backend)
 
 
-def _run_traces(cfg: TracesConfig, out: Path, summary_path: Path, log_path: Path, backend: Any) -> StageResult:
+def _run_traces(cfg: TracesConfig, out: Path, summary_path: Path, log_path: Path,
+                backend: TraceBackend | None) -> StageResult:
     started = time.time()
     records = read_prompts(cfg.prompts)
     total_in_file = len(records)
@@ -327,36 +227,10 @@ def _run_traces(cfg: TracesConfig, out: Path, summary_path: Path, log_path: Path
     earlier_runs = previous_runs(summary_path, len(done))
     atomic_write_json(summary_path, {**base, "status": "running", "runs": earlier_runs, "run": run_metadata()})
 
-    this_run: dict[str, Any] = {"prompts": 0}
     if todo:
-        ids = encode_prompts(tokenizer, [r.text for r in todo])
-        for rec, p in zip(todo, ids):
-            if not p:
-                raise RecordFileError(f"{cfg.prompts}: prompt {rec.id!r} has no tokens")
-        backend = backend or make_backend(cfg)
-        log.info("backend %s; decoding %d prompts (%d prompt tokens), max_new_tokens=%d, batch_size=%d",
-                 backend.name, len(todo), sum(map(len, ids)), cfg.max_new_tokens, cfg.batch_size)
-        progress = Progress(len(todo), "traces")
-        with open(out, "a", encoding="utf-8") as f:
-            generated = (backend.generate(ids, cfg.max_new_tokens, top_logprobs=cfg.top_logprobs)
-                         if cfg.top_logprobs else backend.generate(ids, cfg.max_new_tokens))
-            for i, gen in generated:
-                rec = todo[i]
-                row = {"id": rec.id, "source": rec.source, "prompt_ids": ids[i], "completion_ids": gen.tokens,
-                       "finish_reason": gen.finish_reason}
-                if cfg.top_logprobs:
-                    row["top_ids"] = gen.top_ids
-                    row["top_logprobs"] = [[round(x, LOGPROB_DECIMALS) for x in pos] for pos in gen.top_logprobs]
-                f.write(jsonl_line(row) + "\n")
-                f.flush()
-                progress.update(len(ids[i]), len(gen.tokens))
-            os.fsync(f.fileno())
-        this_run = {**progress.close(), **_backend_info(backend)}
-        if this_run["prompts"] != len(todo):
-            raise RuntimeError(f"backend returned {this_run['prompts']} of {len(todo)} prompts")
-        log.info("decoded %d prompts, %d completion tokens in %.1f s (%.1f tok/s)", this_run["prompts"],
-                 this_run["completion_tokens"], this_run["wall_s"], this_run["completion_tokens_per_s"] or 0)
+        this_run = _decode_traces(cfg, out, todo, encode_prompts(tokenizer, [r.text for r in todo]), backend)
     else:
+        this_run = {"prompts": 0}
         log.info("nothing to decode: every selected prompt is already in %s", out)
 
     totals = _trace_totals(out, {r.id for r in records})
@@ -370,6 +244,39 @@ def _run_traces(cfg: TracesConfig, out: Path, summary_path: Path, log_path: Path
              totals["finish_reasons"]["length"], summary_path)
     return StageResult(out=out, summary=summary_path, rows=totals["rows"], new_prompts=this_run["prompts"],
                        summary_data=summary)
+
+
+def _decode_traces(cfg: TracesConfig, out: Path, todo: list[PromptRecord], ids: list[list[int]],
+                   given: TraceBackend | None) -> dict[str, Any]:
+    """Decode ``todo`` (encoded as ``ids``), appending each row to ``out`` and flushing it as its prompt
+    finishes; this run's record (counts, speed, the backend's info)."""
+    for rec, p in zip(todo, ids):
+        if not p:
+            raise RecordFileError(f"{cfg.prompts}: prompt {rec.id!r} has no tokens")
+    with opened_backend(cfg, given) as backend:
+        if cfg.top_logprobs and not backend.supports_top_logprobs:
+            raise ValueError(f"top_logprobs: backend {backend.name!r} cannot return them; use --backend hf")
+        log.info("backend %s; decoding %d prompts (%d prompt tokens), max_new_tokens=%d, batch_size=%d",
+                 backend.name, len(todo), sum(map(len, ids)), cfg.max_new_tokens, cfg.batch_size)
+        progress = Progress(len(todo), "traces")
+        with open(out, "a", encoding="utf-8") as f:
+            for i, gen in backend.generate(ids, cfg.max_new_tokens, top_logprobs=cfg.top_logprobs):
+                rec = todo[i]
+                row = {"id": rec.id, "source": rec.source, "prompt_ids": ids[i], "completion_ids": gen.tokens,
+                       "finish_reason": gen.finish_reason}
+                if cfg.top_logprobs:
+                    row["top_ids"] = gen.top_ids
+                    row["top_logprobs"] = [[round(x, LOGPROB_DECIMALS) for x in pos] for pos in gen.top_logprobs]
+                f.write(jsonl_line(row) + "\n")
+                f.flush()
+                progress.update(len(ids[i]), len(gen.tokens))
+            os.fsync(f.fileno())
+        this_run = {**progress.close(), **backend.info()}
+    if this_run["prompts"] != len(todo):
+        raise RuntimeError(f"backend returned {this_run['prompts']} of {len(todo)} prompts")
+    log.info("decoded %d prompts, %d completion tokens in %.1f s (%.1f tok/s)", this_run["prompts"],
+             this_run["completion_tokens"], this_run["wall_s"], this_run["completion_tokens_per_s"] or 0)
+    return this_run
 
 
 def _trace_totals(path: Path, selected: set[str]) -> dict[str, Any]:
@@ -406,7 +313,8 @@ def evaluation_points(completion: Sequence[int], num_draft: int) -> list[int]:
     return list(range(0, len(completion) - num_draft + 1, num_draft))
 
 
-def run_validation(cfg: ValidationConfig, backend: Any = None) -> StageResult:
+def run_validation(cfg: ValidationConfig, backend: TraceBackend | None = None) -> StageResult:
+    """``backend`` (optional) replaces the one built from the config; its caller closes it."""
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary_path, log_path = side_paths(out)
@@ -415,7 +323,7 @@ def run_validation(cfg: ValidationConfig, backend: Any = None) -> StageResult:
 
 
 def _run_validation(cfg: ValidationConfig, out: Path, summary_path: Path, log_path: Path,
-                    backend: Any) -> StageResult:
+                    backend: TraceBackend | None) -> StageResult:
     started = time.time()
     records = read_prompts(cfg.prompts)
     total_in_file = len(records)
@@ -457,23 +365,7 @@ def _run_validation(cfg: ValidationConfig, out: Path, summary_path: Path, log_pa
     this_run: dict[str, Any] = {"prompts": 0}
     if todo:
         ids = encode_prompts(tokenizer, [r.text for r in todo])
-        backend = backend or make_backend(cfg)
-        progress = Progress(len(todo), "validation")
-        with open(out, "a", encoding="utf-8") as f:
-            for i, gen in backend.generate(ids, cfg.max_new_tokens):
-                rec, cont = todo[i], gen.tokens
-                lines = [jsonl_line({"id": rec.id, "category": rec.category, "offset": o,
-                                      "context_ids": ids[i] + cont[:o], "target_ids": cont[o:o + cfg.num_draft]})
-                         for o in evaluation_points(cont, cfg.num_draft)]
-                if lines:
-                    f.write("\n".join(lines) + "\n")  # one prompt's points in one write
-                    f.flush()
-                else:
-                    no_points.add(rec.id)  # recorded at once, so that a killed run keeps it too
-                    atomic_write_json(summary_path, {**running, "ids_without_points": sorted(no_points)})
-                progress.update(len(ids[i]), len(cont))
-            os.fsync(f.fileno())
-        this_run = {**progress.close(), **_backend_info(backend)}
+        this_run = _decode_points(cfg, out, summary_path, todo, ids, backend, running, no_points)
 
     points = 0
     prompts_with_points: set[str] = set()
@@ -493,6 +385,30 @@ def _run_validation(cfg: ValidationConfig, out: Path, summary_path: Path, log_pa
     log.info("wrote %s: %d points from %d prompts", out, points, len(prompts_with_points))
     return StageResult(out=out, summary=summary_path, rows=points, new_prompts=this_run["prompts"],
                        summary_data=summary)
+
+
+def _decode_points(cfg: ValidationConfig, out: Path, summary_path: Path, todo: list[PromptRecord],
+                   ids: list[list[int]], given: TraceBackend | None, running: dict[str, Any],
+                   no_points: set[str]) -> dict[str, Any]:
+    """Decode ``todo`` (encoded as ``ids``), appending each prompt's points to ``out`` in one write as it
+    finishes; a prompt without a point joins ``no_points`` and the running summary at once. This run's record."""
+    with opened_backend(cfg, given) as backend:
+        progress = Progress(len(todo), "validation")
+        with open(out, "a", encoding="utf-8") as f:
+            for i, gen in backend.generate(ids, cfg.max_new_tokens):
+                rec, cont = todo[i], gen.tokens
+                lines = [jsonl_line({"id": rec.id, "category": rec.category, "offset": o,
+                                      "context_ids": ids[i] + cont[:o], "target_ids": cont[o:o + cfg.num_draft]})
+                         for o in evaluation_points(cont, cfg.num_draft)]
+                if lines:
+                    f.write("\n".join(lines) + "\n")  # one prompt's points in one write
+                    f.flush()
+                else:
+                    no_points.add(rec.id)  # recorded at once, so that a killed run keeps it too
+                    atomic_write_json(summary_path, {**running, "ids_without_points": sorted(no_points)})
+                progress.update(len(ids[i]), len(cont))
+            os.fsync(f.fileno())
+        return {**progress.close(), **backend.info()}
 
 
 # ------------------------------------------------------------------------------------------ merge-traces
@@ -553,13 +469,9 @@ def _run_merge_traces(cfg: MergeTracesConfig, out: Path, summary_path: Path, log
             raise RecordFileError(f"{sh.path}: {len(missing)} of shard {sh.index}/{sh.count}'s prompts have no row "
                                   f"(first {missing[0]!r}); resume that shard before merging")
 
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_file(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for rid in sorted(rows, key=position.__getitem__):  # the prompts file's order: any sharding, one file
             f.write(jsonl_line(rows[rid]) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
 
     totals = _trace_totals(out, set(position))
     summary = {

@@ -10,7 +10,10 @@ trains through the packer's 4-bit rounding.
 ``run_train`` reads top to bottom: ``setup`` -> ``load_data`` -> ``train_loop``, which feeds ``micro_batches``
 (from ``make_batches``) to ``train_step`` and every ``eval_every`` steps calls ``evaluate`` (held-out loss +
 simulated acceptance), ``save_checkpoint`` (the best draft, in ``out/``) and ``save_resume_state`` (``out/last``,
-from which a killed run continues to the same weights as an uninterrupted one).
+from which a killed run continues to the same weights as an uninterrupted one). This module is that
+orchestration; what it computes lives a layer down: the micro-batches and the loss of one
+(``model.distill``: ``batch_loss``, ``distill_loss``, ``stored_kd_loss``, ``heldout_loss``) and simulated
+acceptance (``drafting.simulated``).
 
 Several processes (``torchrun`` / ``accelerate launch``, docs/scale.md) train one model with data parallelism
 (DDP, or FSDP from the accelerate config): rank r takes micro-batches r, r + n, r + 2n, ... of the same epoch
@@ -20,7 +23,7 @@ of them for a forward); only rank 0 writes the checkpoint, the records, the plot
 its own RNG state into ``last/``.
 
 Simulated acceptance is exact for greedy drafting: because held-out completions are the target's own
-greedy tokens, a 16-token greedy draft starting at offset o accepts exactly the leading run of
+greedy tokens, a k-token greedy draft (``num_draft``) starting at offset o accepts exactly the leading run of
 positions where the draft's teacher-forced argmax equals the target token, so one forward pass per
 sequence scores every offset. The score goes through ``AcceptanceStats``, as in ``specdraft eval``.
 """
@@ -33,17 +36,15 @@ import itertools
 import logging
 import math
 import os
-import random
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import matplotlib
 import matplotlib.pyplot as plt
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from pydantic import Field, model_validator
@@ -54,8 +55,10 @@ from specdraft.core.io import atomic_write_json, read_json, sha256_file
 from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.core.records import Example, read_traces
 from specdraft.core.stage import recorded_target, summary_path
-from specdraft.drafting.metrics import AcceptanceStats
-from specdraft.model.batching import collate, next_tokens, scored_positions
+from specdraft.core.wire import DRAFT_TOKENS
+from specdraft.drafting.simulated import simulated_acceptance
+from specdraft.model.batching import collate
+from specdraft.model.distill import batch_loss, heldout_loss, make_batches, micro_batches
 from specdraft.model.specs import (
     DEFAULT_TARGET,
     describe_source,
@@ -117,7 +120,7 @@ class TrainConfig(StageConfig):
                                                             "of the held-out fraction (e.g. eval prompts)")
     heldout_max: int = Field(64, ge=1, description="at most this many held-out traces are scored")
     eval_every: int = Field(25, ge=1, description="evaluate every K optimizer steps")
-    num_draft: int = Field(16, ge=1, description="draft length for simulated acceptance")
+    num_draft: int = Field(DRAFT_TOKENS, ge=1, description="draft length for simulated acceptance")
     seed: int = Field(0, description="seed for data order and init")
     mixed_precision: Literal["auto", "no", "bf16"] = Field(
         "auto", description="auto = bf16 on GPU, fp32 on CPU")
@@ -279,81 +282,7 @@ def count_steps(cfg: TrainConfig, train: list[Example], world: int) -> int:
     return min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
 
 
-# ------------------------------------------------------------------------------------------- batches
-
-def make_batches(examples: list[Example], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
-    """Length-bucketed batches (indices) for one epoch: shuffle, sort within pools, pack to a token budget."""
-    rng = random.Random(seed * 1_000_003 + epoch)
-    order = list(range(len(examples)))
-    rng.shuffle(order)
-    pool = 256
-    batches: list[list[int]] = []
-    for start in range(0, len(order), pool):
-        chunk = sorted(order[start:start + pool], key=lambda i: len(examples[i].input_ids))
-        batch: list[int] = []
-        width = 0
-        for i in chunk:
-            n = len(examples[i].input_ids)
-            if batch and max(width, n) * (len(batch) + 1) > batch_tokens:
-                batches.append(batch)
-                batch, width = [], 0
-            batch.append(i)
-            width = max(width, n)
-        if batch:
-            batches.append(batch)
-    rng.shuffle(batches)
-    return batches
-
-
-def micro_batches(train: list[Example], cfg: TrainConfig, world: int, rank: int) -> Iterator[list[int]]:
-    """This rank's micro-batches, epoch after epoch without end; each epoch is cut to whole optimizer steps
-    across the ranks. Rank r takes batches r, r + world, ...: the ranks' micro-batches are disjoint, and a step's
-    cfg.grad_accum * world of them are the ones a single process with that grad_accum takes for the same step."""
-    for epoch in itertools.count():
-        batches = make_batches(train, cfg.batch_tokens, cfg.seed, epoch)
-        usable = len(batches) - len(batches) % (cfg.grad_accum * world)
-        for i in range(rank, usable, world):
-            yield batches[i]
-
-
 # ------------------------------------------------------------------------------------------- step
-
-def distill_loss(logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor | None,
-                 kd_weight: float, temperature: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """CE on the target's next tokens; optionally mixed with KL(teacher || student) at a temperature. ``logits``
-    and ``teacher_logits`` ([N, V]) are the models' at the batch's ``scored_positions``, ``labels`` the batch's."""
-    ce = F.cross_entropy(logits.float(), next_tokens(labels, labels))
-    parts = {"ce": float(ce.detach())}
-    if teacher_logits is None:
-        return ce, parts
-    t = temperature
-    kl = F.kl_div(F.log_softmax(logits.float() / t, -1), F.log_softmax(teacher_logits.float() / t, -1),
-                  log_target=True, reduction="batchmean") * (t * t)
-    parts["kl"] = float(kl.detach())
-    return (1 - kd_weight) * ce + kd_weight * kl, parts
-
-
-def stored_kd_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], kd_weight: float,
-                   temperature: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """CE on the target's next tokens mixed with KL(p || q) to the target's stored top-K distribution: p is the
-    stored log-probabilities at the temperature, renormalised over the K ids; q is the draft's full softmax at the
-    same temperature, read at those ids (so mass the draft puts elsewhere is penalised too). Positions without a
-    stored distribution count in the CE only. ``logits`` ([N, V]) are the draft's at the ``scored_positions``."""
-    labels = batch["labels"]
-    ce = F.cross_entropy(logits.float(), next_tokens(labels, labels))
-    parts = {"ce": float(ce.detach())}
-    stored = next_tokens(batch["top_mask"], labels)  # [N]
-    if not bool(stored.any()):
-        return ce, parts
-    t = temperature
-    student = F.log_softmax(logits[stored].float() / t, dim=-1)  # [M, V]
-    teacher = F.log_softmax(next_tokens(batch["top_logprobs"], labels)[stored] / t, dim=-1)  # [M, K], -inf: < K
-    drafted = student.gather(-1, next_tokens(batch["top_ids"], labels)[stored])  # [M, K]
-    p = teacher.exp()
-    kl = (p * (teacher - drafted)).nan_to_num(0.0).sum(-1).mean() * (t * t)  # 0 * (-inf) terms dropped
-    parts["kl"] = float(kl.detach())
-    return (1 - kd_weight) * ce + kd_weight * kl, parts
-
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     """Linear warm-up to lr, then a cosine down to min_lr_ratio * lr at the last step."""
@@ -368,19 +297,9 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], step: int) -> float:
     """Forward and backward one micro-batch; on the last micro-batch of optimizer step ``step``, clip, set the
     step's learning rate and update. The micro-batch's loss."""
     cfg, accelerator = run.cfg, run.accelerator
-    scored = scored_positions(batch["labels"])
     with accelerator.accumulate(run.model):
-        logits = run.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           logits_to_keep=scored).logits  # [N, V]
-        teacher_logits = None
-        if run.teacher is not None:
-            with torch.no_grad():
-                teacher_logits = run.teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                             logits_to_keep=scored).logits  # [N, V]
-        if cfg.kd_stored:
-            loss, _ = stored_kd_loss(logits, batch, cfg.kd_weight, cfg.kd_temperature)
-        else:
-            loss, _ = distill_loss(logits, batch["labels"], teacher_logits, cfg.kd_weight, cfg.kd_temperature)
+        loss, _ = batch_loss(run.model, batch, teacher=run.teacher, kd_stored=cfg.kd_stored,
+                             kd_weight=cfg.kd_weight, temperature=cfg.kd_temperature)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             # all the model's parameters: frozen ones have no gradient, and FSDP clips only through its own list
@@ -393,48 +312,6 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], step: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------- eval
-
-@torch.no_grad()
-def simulated_acceptance(model, examples: Sequence[Example], k: int = 16, pad_id: int = 0,
-                         batch_size: int = 8) -> AcceptanceStats:
-    """Mean accepted length of k-token greedy drafts at offsets 0, k, 2k, ... of each completion."""
-    stats = AcceptanceStats(k=k)
-    device = next(model.parameters()).device
-    model_was_training = model.training
-    model.eval()
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start:start + batch_size]
-        batch = collate(chunk, pad_id, device)
-        scored = scored_positions(batch["labels"])  # [B, T]
-        preds = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                      logits_to_keep=scored).logits.argmax(-1)  # [N]
-        for ex, row_preds in zip(chunk, preds.split(scored.sum(-1).tolist())):
-            # the predictions of the completion's tokens (all of them, unless the prompt is empty), in order
-            completion = ex.completion[len(ex.completion) - len(row_preds):]
-            row_preds = row_preds.tolist()
-            for offset in range(0, len(completion) - k + 1, k):
-                stats.add(row_preds[offset:offset + k], completion[offset:offset + k], prompt_id=ex.id)
-    model.train(model_was_training)
-    return stats
-
-
-@torch.no_grad()
-def heldout_loss(model, examples: Sequence[Example], pad_id: int, batch_size: int = 8) -> float:
-    """Mean cross-entropy per label token."""
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    was_training = model.training
-    model.eval()
-    for start in range(0, len(examples), batch_size):
-        batch = collate(examples[start:start + batch_size], pad_id, device)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       logits_to_keep=scored_positions(batch["labels"])).logits  # [N, V]
-        labels = next_tokens(batch["labels"], batch["labels"])  # [N]
-        total += float(F.cross_entropy(logits.float(), labels, reduction="sum"))
-        count += len(labels)
-    model.train(was_training)
-    return total / max(1, count)
-
 
 def evaluate(run: Run, heldout: Sequence[Example], step: int, train_loss: float | None) -> dict:
     """The history record of one evaluation: held-out loss and simulated acceptance. Every rank scores the same
@@ -478,7 +355,10 @@ def save_resume_state(run: Run, state: TrainState) -> None:
             "train_seconds": state.train_seconds, "processes": accelerator.num_processes,
             "config": run.cfg.to_json_dict()})
         # renames only between a complete last/ and the next: a kill in between leaves last.tmp complete (its
-        # trainer_state.json is written last), which load_resume_state takes
+        # trainer_state.json is written last), which load_resume_state takes. Not core.io.atomic_dir: it removes
+        # the old directory before its rename, and its temp folder has a random name, so a kill in that window
+        # would leave no last/ and no state load_resume_state can find (a restart from step 0); every rank also
+        # writes into the folder (save_state), so its name must be known to all of them.
         old = run.out / "last.old"
         shutil.rmtree(old, ignore_errors=True)
         if (run.out / "last").exists():
@@ -598,7 +478,8 @@ def train_loop(run: Run, data: TrainData, state: TrainState) -> int:
     losses, tokens = [], 0  # this rank's micro-batch losses and label tokens since the last evaluation
     tokens_before, seconds_before = state.train_tokens, state.train_seconds
     bar = tqdm(total=run.total_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
-    batches = micro_batches(data.train, cfg, accelerator.num_processes, accelerator.process_index)
+    batches = micro_batches(data.train, batch_tokens=cfg.batch_tokens, seed=cfg.seed, grad_accum=cfg.grad_accum,
+                            world=accelerator.num_processes, rank=accelerator.process_index)
     # a resumed run skips the micro-batches of the steps already taken, so it sees the batches it would have seen
     for batch_idx in itertools.islice(batches, state.step * cfg.grad_accum, None):
         if state.step >= run.total_steps:

@@ -1,0 +1,207 @@
+"""The figures README.md and BENCHMARKS.md quote, rendered from the measured results (``bench/results/*.json``): one
+source per figure.
+
+  .venv/bin/python bench/report.py            # rewrite the generated blocks of README.md and BENCHMARKS.md
+  .venv/bin/python bench/report.py --check    # exit 1 when a block differs from what the results say (a test runs it)
+
+A generated block sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``; everything outside the blocks is
+written by hand (method, commands, what a figure means) and quotes no figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+CLASS_NAMES = {"avx2": "AVX2 only", "avx512": "AVX-512", "avx512-bf16": "AVX-512 + bf16", "amx": "AMX"}
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def machine(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    return (f"{m['cpu']} family {m['cpu_family']} model {m['cpu_model']} ({CLASS_NAMES.get(m['cpu_class'])}"
+            + (", AVX2 emulated" if m.get("avx2_emulation") else "") + f"), {m['cpus']} cores")
+
+
+def x(value: float) -> str:
+    return f"{value:.2f}×"
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 1200 else (f"{seconds / 60:.1f} min" if seconds < 7200
+                                                      else f"{seconds / 3600:.1f} h")
+
+
+# ------------------------------------------------------------------------------------------ README
+
+def readme_results() -> str:
+    """README's results table: acceptance per budget, speed per engine with its baseline, the demo's wall time."""
+    fast, avx2 = load("demo.avx512-bf16"), load("demo.avx2")
+    llama, peers = load("llamacpp_speed.avx512-bf16"), load("server_peers.avx512-bf16")
+    b = fast["figures"]["budgets"]
+    small2 = avx2["figures"]["budgets"]["small"]
+    rows = [("trained draft (24 of the target's 30 layers, 4-bit pack)", "trained"),
+            ("prompt lookup (no model)", "lookup"),
+            ("trained draft behind prompt lookup", "trained_lookup"),
+            ("self-draft: the target's own weights at 4 bits, untrained", "self")]
+    lines = ["| accepted of 16 greedy draft tokens | `small` | `default` | `full` |", "|---|---:|---:|---:|"]
+    lines += [f"| {label} | {b['small']['accepted'][key]:.2f} | {b['default']['accepted'][key]:.2f} | "
+              f"{b['full']['accepted'][key]:.2f} |" for label, key in rows]
+    torch_full = b["full"]["speedup_torch"]
+    best = max(llama["figures"]["drafters"][:-1], key=lambda r: r["speedup"])  # the last row is the F32 target's
+    trained = next(r for r in llama["figures"]["drafters"] if r["name"] == "draft")
+    clients = peers["figures"]["clients"]["4"]
+    lines += ["", "| speed, each against its baseline on the same machine | |", "|---|---:|",
+              f"| specdraft's engine (torch, float32 target) against its own plain greedy, `full`: self-draft / "
+              f"trained draft / prompt lookup | {x(torch_full['self'])} / {x(torch_full['draft'])} / "
+              f"{x(torch_full['lookup'])} |",
+              f"| llama.cpp against its plain decoding of the Q4_1 target ({llama['figures']['plain_tokens_per_s']} "
+              f"tokens/s): best drafter ({best['label'].split(' (')[0]}, k = {best['best_k']}) / trained draft | "
+              f"{x(best['speedup'])} / {x(trained['speedup'])} |",
+              f"| `specdraft serve` against `llama-server`, the same draft, 4 clients: answered/s | "
+              f"{x(clients['ratio'])} |",
+              f"| `make demo` (small), the install included: AVX-512 + bf16 / AVX2-only EPYC | "
+              f"{minutes(b['small']['wall_seconds'])} / {minutes(small2['wall_seconds'])} |",
+              "",
+              f"Measured on an {machine(fast)} ({b['default']['date']} to {b['full']['date']}); the AVX2 figure on "
+              f"an {machine(avx2)} ({small2['date']}). `small` evaluates on {b['small']['eval_points']} "
+              f"MT-bench points, `default` and `full` on {b['default']['eval_points']} and {b['full']['eval_points']} "
+              "points of the packaged held-out set."]
+    return "\n".join(lines)
+
+
+def readme_demo_time() -> str:
+    """The set-up line's time for `make demo`, per CPU class measured."""
+    fast, avx2 = load("demo.avx512-bf16"), load("demo.avx2")
+    small, small2 = fast["figures"]["budgets"]["small"], avx2["figures"]["budgets"]["small"]
+    return (f"about {small['wall_seconds'] / 60:.0f} min on an AVX-512 + bf16 EPYC and "
+            f"{small2['wall_seconds'] / 60:.0f} min on an AVX2-only EPYC, the install included.")
+
+
+# ---------------------------------------------------------------------------------------- BENCHMARKS
+
+def summary_rows() -> list[tuple[str, str, str, str]]:
+    """(what, figure, machine, source) for BENCHMARKS.md's summary table, one per current figure."""
+    rows: list[tuple[str, str, str, str]] = []
+    for path in sorted(RESULTS.glob("demo.*.json")):
+        result = json.loads(path.read_text())
+        for budget, r in result["figures"]["budgets"].items():
+            acc, speed = r["accepted"], r["speedup_torch"]
+            rows.append((f"`make demo BUDGET={budget}`: wall time" + (" with the install" if r["wall_includes_install"]
+                                                                      else ""),
+                         minutes(r["wall_seconds"]) + (f" ({r['wall_note']})" if r.get("wall_note") else ""),
+                         f"{machine(result)}, {r['date']}", path.name))
+            rows.append((f"`{budget}`: accepted of 16, trained / behind lookup / lookup / self-draft / untrained "
+                         f"({r['eval_points']} points)",
+                         " / ".join(f"{acc[k]:.2f}" for k in ("trained", "trained_lookup", "lookup", "self", "init")),
+                         f"{machine(result)}, {r['date']}", path.name))
+            if r.get("accepted_at_temperature"):
+                rows.append((f"`{budget}`: expected accepted under sampling, trained / lookup (T 0.7; T 1.0)",
+                             "; ".join(f"{t['trained']:.2f} / {t['lookup']:.2f}"
+                                       for t in r["accepted_at_temperature"].values()),
+                             f"{machine(result)}, {r['date']}", path.name))
+            rows.append((f"`{budget}`: speed-up in specdraft's engine against its float32 greedy, self-draft / "
+                         "trained / lookup", " / ".join(x(speed[k]) for k in ("self", "draft", "lookup")),
+                         f"{machine(result)}, {r['date']}", path.name))
+    llama = load("llamacpp_speed.avx512-bf16")
+    for r in llama["figures"]["drafters"]:
+        rows.append((f"llama.cpp, {r['label']}, against llama.cpp's plain decoding (best k = {r['best_k']})",
+                     f"{x(r['speedup'])} ({r['range'][0]:.2f}–{r['range'][1]:.2f}×), predicted {x(r['predicted'])}",
+                     f"{machine(llama)}, {llama['date']}", "llamacpp_speed.avx512-bf16.json"))
+    peers = load("server_peers.avx512-bf16")
+    for n, c in peers["figures"]["clients"].items():
+        rows.append((f"`specdraft serve` / `llama-server` answered/s, {n} client(s), p99 ours / theirs",
+                     f"{x(c['ratio'])} ({c['specdraft_answered_per_s']} / {c['llama_server_answered_per_s']}), "
+                     f"{c['p99_s'][0]} s / {c['p99_s'][1]} s", f"{machine(peers)}, {peers['date']}",
+                     "server_peers.avx512-bf16.json"))
+    for path in sorted(RESULTS.glob("compute.*.json")):
+        result = json.loads(path.read_text())
+        fig = result["figures"]
+        auto = fig["formats"]["auto (default)"]["served"]
+        rows.append(("`specdraft serve --compute auto`: what it picks; its `/draft` answer against the fastest "
+                     "explicit format at 64 / 256 / 1,024 tokens",
+                     f"{auto['compute']}" + (f" ({auto['prefill']} prefill)" if auto["compute"] == "int4" else "")
+                     + "; " + " / ".join(x(v) for v in fig["auto_vs_fastest_explicit"].values()),
+                     f"{machine(result)}, {result['date']}", path.name))
+    return rows
+
+
+def benchmarks_summary() -> str:
+    lines = ["| what | figure | machine, date | result |", "|---|---|---|---|"]
+    lines += [f"| {what} | {figure} | {where} | [{src}](bench/results/{src}) |"
+              for what, figure, where, src in summary_rows()]
+    return "\n".join(lines)
+
+
+def compute_tables() -> str:
+    """Per CPU class: each compute format's decode step, prefills and `/draft` answers, and what auto picks."""
+    out: list[str] = []
+    for path in sorted(RESULTS.glob("compute.*.json")):
+        result = json.loads(path.read_text())
+        fig = result["figures"]
+        out += [f"**{CLASS_NAMES.get(result['machine']['cpu_class'])}**: {machine(result)}, {result['date']}, "
+                f"`{result['command']}` ([{path.name}](bench/results/{path.name})).", "",
+                "| compute | decode step at 256 tokens | prefill 64 / 256 / 1,024 tokens | `/draft` answer, 64 / 256 / "
+                "1,024 tokens |", "|---|---:|---:|---:|"]
+        for name, row in fig["formats"].items():
+            p, s = row["in_process"], row["served"]
+            label = name if not name.startswith("auto") else f"{name}: {s['compute']}" + (
+                f", {s['prefill']} prefill" if s["compute"] == "int4" else "")
+            out.append(f"| {label} | {1000 * p['decode_step_256_s']:.0f} ms | "
+                       + " / ".join(f"{1000 * p[f'prefill_{n}_s']:.0f}" for n in (64, 256, 1024)) + " ms | "
+                       + " / ".join(f"{s[f'answer_{n}_s']:.2f}" for n in (64, 256, 1024)) + " s |")
+        out += ["", "`auto` against the fastest explicit format, per context length: "
+                + ", ".join(f"{n} tokens {x(r)}" for n, r in fig["auto_vs_fastest_explicit"].items()) + ".", ""]
+    return "\n".join(out).rstrip() if out else "(no compute results yet: `bench/bench_compute.py`)"
+
+
+BLOCKS: dict[Path, dict[str, Callable[[], str]]] = {
+    ROOT / "README.md": {"demo-time": readme_demo_time, "results": readme_results},
+    ROOT / "BENCHMARKS.md": {"summary": benchmarks_summary, "compute": compute_tables},
+}
+
+
+def render(text: str, blocks: dict[str, Callable[[], str]], path: Path) -> str:
+    for name, make in blocks.items():
+        pattern = re.compile(rf"(<!-- {name}:begin[^>]*-->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"{path}: no <!-- {name}:begin --> ... <!-- {name}:end --> block")
+        text = pattern.sub(lambda m: m.group(1) + make() + "\n" + m.group(2), text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="compare, do not write")
+    args = ap.parse_args(argv)
+    stale = []
+    for path, blocks in BLOCKS.items():
+        text = path.read_text(encoding="utf-8")
+        new = render(text, blocks, path)
+        if new == text:
+            continue
+        if args.check:
+            stale.append(path.name)
+            sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True), str(path),
+                                                       "rendered from bench/results"))
+        else:
+            path.write_text(new, encoding="utf-8")
+            print(f"rewrote the generated blocks of {path.name}")
+    if stale:
+        print(f"\n{', '.join(stale)}: a quoted figure differs from bench/results; run bench/report.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""The target as `specdraft traces` and `specdraft validation` decode with it: token ids in, each prompt's greedy
+continuation out, whatever engine runs it.
+
+``TraceBackend`` is what those stages use and all they use: ``name``, ``supports_top_logprobs``, ``generate``,
+``info`` and ``close``. ``HFBackend`` is specdraft's own decode loop (``model.decode.iter_greedy``, CPU or GPU);
+``model.trace_vllm.VLLMBackend`` is vLLM's offline engine (GPU). Another engine -- llama.cpp decoding many prompts
+at once through llama-cpp-python's batch API, say -- is one more subclass: it yields each prompt's greedy tokens
+(and, when it can, the top-K log-probabilities at every position) as the prompt finishes, and the stages append,
+flush and resume from what it yielded.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from specdraft.model.decode import iter_greedy
+from specdraft.model.device import resolve_device
+from specdraft.model.forward import eos_token_ids
+from specdraft.model.generation import Generation
+from specdraft.model.specs import load_model
+
+
+class TraceBackend(ABC):
+    """An engine that decodes the target greedily over many prompts; each attribute's default is what a backend
+    without it means. A backend the stage builds it also closes; one passed in, its caller does."""
+
+    name: str = "backend"  # what the log and the summary call it: the ``--backend`` choice that builds it
+    # True where ``generate`` can return the K most likely ids and their log-probabilities at every completion
+    # position (``traces --top-logprobs K``); a backend without asks for none
+    supports_top_logprobs: bool = False
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 top_logprobs: int = 0) -> Iterator[tuple[int, Generation]]:
+        """Every prompt's greedy continuation (float32: the traces are the draft's training targets), yielded as
+        ``(index into prompts, Generation)`` the moment the prompt is done, each index once, in any order.
+
+        A ``Generation`` holds at most ``max_new_tokens`` tokens and ends with the EOS token when it stopped there
+        (``finish_reason`` "eos", else "length"). With ``top_logprobs`` K > 0 (only where
+        ``supports_top_logprobs``), it also holds the K most likely ids at every position (the greedy token
+        first) and their log-softmax values. The stage writes each result as it comes, so a killed run keeps
+        every prompt yielded before the kill and decodes only the others again."""
+
+    def info(self) -> dict[str, Any]:
+        """What a run's summary records of the engine (``this_run``): its name, and whatever settings or versions
+        decide its speed or its numbers."""
+        return {"backend": self.name}
+
+    def close(self) -> None:
+        """Free what the engine holds (a model, a llama.cpp context, worker processes); nothing by default."""
+
+    def __enter__(self) -> "TraceBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HFBackend(TraceBackend):
+    """specdraft's own decode loop: continuous batching over a static KV cache, longest prompts first."""
+
+    name = "hf"
+    supports_top_logprobs = True  # the slot engine's; iter_greedy refuses them on the dynamic engine
+
+    def __init__(self, spec: str, device: str, batch_size: int):
+        self.device = resolve_device(device)
+        self.model = load_model(spec, device=self.device)  # float32: traces define the training targets
+        self.batch_size = batch_size
+
+    def eos_ids(self) -> set[int]:
+        return eos_token_ids(self.model)
+
+    def info(self) -> dict[str, Any]:
+        return {"backend": self.name, "device": self.device, "dtype": str(next(self.model.parameters()).dtype),
+                "batch_size": self.batch_size, "torch_threads": torch.get_num_threads()}
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 top_logprobs: int = 0) -> Iterator[tuple[int, Generation]]:
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        yield from iter_greedy(self.model, prompts, max_new_tokens, batch_size=self.batch_size, order=order,
+                               top_logprobs=top_logprobs)

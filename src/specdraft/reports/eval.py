@@ -1,0 +1,125 @@
+"""The eval report rendered from its record (``report.json``): ``report.md`` and its PNG plots.
+
+`specdraft eval` computes and writes the record; everything a reader sees is made here from it, so a report can be
+rendered again from its JSON alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from specdraft.core import plots
+
+
+def report_markdown(report: Mapping[str, Any], title: str = "Draft acceptance") -> str:
+    k = report["k"]
+    lines = [f"# {title}: {report['drafter']}", "",
+             f"{report['points']} evaluation points from {report['prompts']} prompts, k = {k}.", "",
+             "| metric | value |", "|---|---|",
+             f"| mean accepted length, pooled over points (of {k}) | {report['mean_accepted_pooled']:.3f} |",
+             f"| mean accepted length, per-prompt mean (of {k}) | {report['mean_accepted_per_prompt']:.3f} |",
+             f"| tokens per verify step (1 + pooled mean) | {report['tokens_per_verify_step']:.3f} |",
+             f"| P(all {k} accepted) | {report['cumulative_acceptance'][-1]:.3f} |"]
+    hybrid = report.get("hybrid")
+    if hybrid:
+        lines.append(f"| points drafted by prompt lookup (last {hybrid['min_ngram']}+ tokens seen before) / by "
+                     f"the model | {hybrid['lookup_points']} / {hybrid['model_points']} |")
+    lat = report.get("latency") or {}
+    pressure = report.get("backpressure") or {}
+    if pressure.get("retries"):
+        lines.append(f"| requests the server refused (503) and the client sent again after its Retry-After | "
+                     f"{pressure['retries']} ({pressure['waited_s']:.1f} s waited; concurrency down to "
+                     f"{pressure['concurrency_lowest']} of {pressure['concurrency']}) |")
+    if lat.get("calls"):
+        lines += [f"| latency p50 per {lat['unit']} | {lat['p50_ms']:.1f} ms |",
+                  f"| latency p99 per {lat['unit']} | {lat['p99_ms']:.1f} ms |"]
+    choice = compute_choice_of(report.get("drafter_source") or {})
+    if choice:
+        lines += ["", f"Draft compute: **{choice['compute']}** ({choice['reason']})."]
+    lines += ["", f"_{report['means_note']}_", "",
+              "## Per position", "",
+              "| position | cumulative P(1..i accepted) | conditional P(i \\| < i) |", "|---|---|---|"]
+    support = report.get("conditional_support") or [1] * k
+    for i, (cum, cond, n) in enumerate(zip(report["cumulative_acceptance"], report["conditional_acceptance"],
+                                           support), 1):
+        lines.append(f"| {i} | {cum:.3f} | {f'{cond:.3f} (n={n})' if n else '— (no point got here)'} |")
+    lines += ["", "## Accepted length histogram", "", "| accepted | points |", "|---|---|"]
+    lines += [f"| {a} | {n} |" for a, n in enumerate(report["histogram"])]
+    lines += ["", "## Per category", "", "| category | points | mean accepted |", "|---|---|---|"]
+    for cat, row in report["per_category"].items():
+        lines.append(f"| {cat} | {row['points']} | {row['mean_accepted']:.3f} |")
+    lines += temperature_markdown(report.get("acceptance_at_temperature"))
+    plots = report.get("plots") or []
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def compute_words(choice: Mapping[str, Any] | None) -> str:
+    if not choice:
+        return "unknown"
+    return choice["compute"] + (f" (prefill {choice['prefill']})" if choice["compute"] == "int4" else "")
+
+
+def compute_choice_of(source: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The compute a drafter's model ran in and why (``model.loader.resolve_compute``), from its source record: in
+    process, behind lookup, or the server's own (its /health)."""
+    if source.get("kind") == "hybrid":
+        return compute_choice_of(source.get("model") or {})
+    return source.get("compute_choice")
+
+
+def temperature_markdown(section: Mapping[str, Any] | None) -> list[str]:
+    """The acceptance-at-temperature tables: pooled per temperature, then per position."""
+    if not section:
+        return []
+    skipped = section.get("skipped")
+    if skipped:
+        return ["", "## Acceptance at temperature", "",
+                f"Not computed (temperatures {', '.join(f'{t:g}' for t in skipped['temperatures'])}): "
+                f"{skipped['why']}."]
+    k, rows = section["k"], section["temperatures"]
+    source = section.get("draft_distributions") or {}
+    lines = ["", "## Acceptance at temperature (expected, from distributions)", "",
+             f"top-p {section['top_p']:g}, top-k {section['top_k']} for target and draft alike."
+             + (f" {source['note']}." if source.get("note") else ""), "",
+             f"| temperature | expected accepted, pooled (of {k}) | per-prompt mean | P(all {k} accepted) |",
+             "|---|---|---|---|"]
+    for key, row in rows.items():
+        lines.append(f"| {key} | {row['mean_expected_accepted_pooled']:.3f} | "
+                     f"{row['mean_expected_accepted_per_prompt']:.3f} | "
+                     f"{row['expected_cumulative_acceptance'][-1]:.3f} |")
+    lines += ["", "Expected P(tokens 1..i all accepted) per position:", "",
+              "| position | " + " | ".join(f"T = {key}" for key in rows) + " |",
+              "|---|" + "---|" * len(rows)]
+    for i in range(k):
+        lines.append(f"| {i + 1} | " + " | ".join(f"{row['expected_cumulative_acceptance'][i]:.3f}"
+                                                 for row in rows.values()) + " |")
+    lines += ["", f"_{section['what']}_"]
+    return lines
+
+
+def write_plots(report: Mapping[str, Any], out: Path) -> list[str]:
+    name = report["drafter"]
+    files = [
+        plots.plot_acceptance_per_position(report["cumulative_acceptance"], report["conditional_acceptance"],
+                                           out / "acceptance_per_position.png",
+                                           f"acceptance per position: {name}",
+                                           support=report.get("conditional_support")),
+        plots.plot_histogram(report["histogram"], out / "accepted_length_histogram.png",
+                             f"accepted length (of {report['k']}): {name}"),
+        plots.plot_bars({c: r["mean_accepted"] for c, r in report["per_category"].items()},
+                        out / "acceptance_per_category.png", ylabel=f"mean accepted length (of {report['k']})",
+                        title=f"per category: {name}",
+                        annotate={c: f"{r['mean_accepted']:.2f} (n={r['points']})"
+                                  for c, r in report["per_category"].items()}),
+    ]
+    section = report.get("acceptance_at_temperature") or {"temperatures": {}}
+    for key, row in section["temperatures"].items():
+        if row["temperature"] > 0:  # temperature 0 is the greedy plot above
+            files.append(plots.plot_acceptance_per_position(
+                row["expected_cumulative_acceptance"], row["expected_conditional_acceptance"],
+                out / f"acceptance_per_position_T{key}.png",
+                f"expected acceptance per position at temperature {key}: {name}"))
+    return [p.name for p in files]

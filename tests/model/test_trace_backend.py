@@ -1,0 +1,60 @@
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdraft.model.generation import Generation
+from specdraft.model.simple_decode import naive_greedy
+from specdraft.model.trace_backend import HFBackend, TraceBackend
+
+
+class _Echo(TraceBackend):
+    """The smallest backend: every prompt's continuation is its own first token, once."""
+
+    name = "echo"
+
+    def __init__(self):
+        self.closed = 0
+
+    def generate(self, prompts, max_new_tokens, top_logprobs=0):
+        for i, p in enumerate(prompts):
+            yield i, Generation([p[0]], "length")
+
+    def close(self):
+        self.closed += 1
+
+
+def test_a_backend_declares_generate_and_defaults_the_rest():
+    with pytest.raises(TypeError):
+        TraceBackend()  # abstract: generate is what every backend must answer
+
+    class NoGenerate(TraceBackend):
+        name = "none"
+
+    with pytest.raises(TypeError):
+        NoGenerate()
+    backend = _Echo()
+    assert backend.info() == {"backend": "echo"} and not backend.supports_top_logprobs
+    assert list(backend.generate([[5, 6], [7]], 3)) == [(0, Generation([5], "length")), (1, Generation([7], "length"))]
+    with backend as entered:
+        assert entered is backend
+    assert backend.closed == 1
+
+
+def test_hf_backend_yields_every_prompt_once_as_alone_with_its_top_k(tiny_qwen3_dir):
+    backend = HFBackend(str(tiny_qwen3_dir), "cpu", batch_size=2)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (3, 9, 5, 12, 4)]
+    got = dict(backend.generate(prompts, 6, top_logprobs=3))
+    assert sorted(got) == list(range(len(prompts)))
+    assert backend.supports_top_logprobs
+    for i, p in enumerate(prompts):
+        alone = naive_greedy(model, p, 6)
+        assert (got[i].tokens, got[i].finish_reason) == (alone.tokens, alone.finish_reason)
+        assert [ids[0] for ids in got[i].top_ids] == got[i].tokens  # the greedy token first
+        assert all(len(ids) == 3 == len(lps) for ids, lps in zip(got[i].top_ids, got[i].top_logprobs))
+    info = backend.info()
+    assert (info["backend"], info["device"], info["dtype"], info["batch_size"]) == ("hf", "cpu", "torch.float32", 2)
+    assert backend.eos_ids() and isinstance(backend.eos_ids(), set)
