@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
 from harness import add_out_argument, argument_parser, command, save_result, stopwatch
@@ -44,7 +44,6 @@ from specdraft.core.records import load_validation
 from specdraft.drafting.llamacpp import LlamaCppDrafter, LlamaCppNgramDrafter
 from specdraft.drafting.speculative import speculative_generate
 from specdraft.model.decode import draft_batch
-from specdraft.model.forward import cache_kwargs
 from specdraft.model.llamacpp import (
     INSTALL_HINT,
     LlamaCppTarget,
@@ -53,6 +52,7 @@ from specdraft.model.llamacpp import (
     vocab_compatible,
 )
 from specdraft.model.loader import load_draft
+from specdraft.model.simple_decode import transformers_greedy
 from specdraft.model.specs import DEFAULT_TARGET, embedded_gguf_path, resolve_model
 from specdraft.stages.export import ExportConfig, run_export
 from specdraft.stages.pack import PackConfig, run_pack
@@ -60,16 +60,6 @@ from specdraft.stages.traces import ValidationConfig, run_validation
 
 MT_BENCH = Path("/work/shared/data/dev/mt_bench.jsonl")
 K = 16
-
-
-@torch.inference_mode()
-def hf_greedy(model, context: list[int], n: int) -> list[int]:
-    cache, ids, out = DynamicCache(), torch.tensor([context]), []
-    for _ in range(n):
-        logits = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[0, -1]
-        out.append(int(logits.argmax()))
-        ids = torch.tensor([[out[-1]]])
-    return out
 
 
 @torch.inference_mode()
@@ -117,7 +107,7 @@ def bench_gguf(model_dir: Path, work: Path, contexts: list[list[int]], packed, o
     a, b = theirs.state_dict(), packed.state_dict()
     out["transformers_weights_bit_equal"] = f"{sum(torch.equal(a[k], b[k]) for k in b if k in a)} of {len(b)}"
     with stopwatch() as drafting:
-        drafts = [hf_greedy(theirs, c, K) for c in contexts]
+        drafts = [transformers_greedy(theirs, c, K) for c in contexts]
     out["transformers_draft_seconds"] = round(drafting.wall, 1)
     out["transformers_vs_packed"] = agreement(ours, drafts)
     out["transformers_differences"] = differences(packed, contexts, ours, drafts)

@@ -27,13 +27,25 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def packed_dir(tiny_qwen3_dir, tmp_path_factory):
-    """The tiny Qwen3 packed by `specdraft pack` (QD04, default group size)."""
+def packed_qwen3(tiny_qwen3_dir, tmp_path_factory):
+    """The tiny Qwen3 packed by `specdraft pack` (QD04, default group size): its PackResult."""
     from specdraft.stages.pack import PackConfig, run_pack
 
-    out = tmp_path_factory.mktemp("packed") / "tiny-qwen3-packed"
-    run_pack(PackConfig(checkpoint=str(tiny_qwen3_dir), out=str(out)))
-    return out
+    return run_pack(PackConfig(checkpoint=str(tiny_qwen3_dir),
+                               out=str(tmp_path_factory.mktemp("packed") / "tiny-qwen3-packed")))
+
+
+@pytest.fixture(scope="session")
+def packed_dir(packed_qwen3):
+    return packed_qwen3.out
+
+
+@pytest.fixture
+def packed_copy(packed_qwen3, tmp_path):
+    """A copy of the packed dir a test may break."""
+    import shutil
+
+    return shutil.copytree(packed_qwen3.out, tmp_path / "copy")
 
 
 @pytest.fixture(params=["qwen3", "llama"])

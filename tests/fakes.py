@@ -102,3 +102,35 @@ class FakeEngine:
     @staticmethod
     def expected(context, n):
         return expected(context, n, FakeEngine.vocab_size)
+
+
+class JSONHandler:
+    """Mixin for a ``BaseHTTPRequestHandler`` fake draft server: ``send_json`` answers, and no access log."""
+
+    def send_json(self, code, payload, headers=None):
+        import json
+
+        data = json.dumps(payload).encode()
+        self.send_response(code)
+        for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **(headers or {})}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def serve_http(handler):
+    """A ``ThreadingHTTPServer`` of ``handler`` on a free loopback port, in a thread: yields its URL (a fixture's
+    body), then shuts it down."""
+    from http.server import ThreadingHTTPServer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -9,10 +9,11 @@ import json
 import random
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
+from fakes import JSONHandler, serve_http
 from specdraft.core.records import ValidationPoint
 from specdraft.drafting.base import DrafterError
 from specdraft.drafting.lookup import lookup_draft
@@ -22,7 +23,7 @@ from specdraft.server.process import ServerProcess
 from specdraft.stages.evaluate import EvalConfig, run_eval
 
 
-class _BusyHandler(BaseHTTPRequestHandler):
+class _BusyHandler(JSONHandler, BaseHTTPRequestHandler):
     """Refuses (503 overloaded, Retry-After 0.05) whenever more than ``capacity`` requests are in flight, or every
     request while ``always_refuse``; else answers prompt lookup's draft."""
 
@@ -42,36 +43,21 @@ class _BusyHandler(BaseHTTPRequestHandler):
         try:
             time.sleep(0.02)
             if busy:
-                self._send(503, {"error": "overloaded", "message": "the work ahead misses the deadline"},
-                           {"Retry-After": "0.05"})
+                self.send_json(503, {"error": "overloaded", "message": "the work ahead misses the deadline"},
+                               {"Retry-After": "0.05"})
             else:
-                self._send(200, {"draft_ids": lookup_draft(body["token_ids"], body["num_tokens"]), "model": "busy"})
+                self.send_json(200, {"draft_ids": lookup_draft(body["token_ids"], body["num_tokens"]),
+                                     "model": "busy"})
         finally:
             with cls.lock:
                 cls.in_flight -= 1
-
-    def _send(self, code, payload, headers=None):
-        data = json.dumps(payload).encode()
-        self.send_response(code)
-        for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **(headers or {})}.items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture
 def busy_server():
     _BusyHandler.in_flight = _BusyHandler.refused = 0
     _BusyHandler.always_refuse = False
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _BusyHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    yield from serve_http(_BusyHandler)
 
 
 def _contexts(n=24):

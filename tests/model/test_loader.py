@@ -3,45 +3,18 @@ before any model is built."""
 
 import json
 import logging
-import shutil
 import struct
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from packing import float_model, logits, token_ids
 from specdraft.model.loader import load_packed_model
 from specdraft.model.tiny import build_tiny_model
 from specdraft.quant import qd4
 from specdraft.quant.qd4 import QD4Error
 from specdraft.stages.pack import PackConfig, run_pack
-
-REFERENCE_QWEN3_1_7B_BYTES = 965_635_110
-
-
-@pytest.fixture(scope="module")
-def packed_qwen3(tiny_qwen3_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("packed") / "qwen3"
-    return run_pack(PackConfig(checkpoint=str(tiny_qwen3_dir), out=str(out)))
-
-
-@pytest.fixture
-def packed_copy(packed_qwen3, tmp_path):
-    return shutil.copytree(packed_qwen3.out, tmp_path / "copy")
-
-
-def _float_model(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@torch.inference_mode()
-def _logits(model, ids):
-    return model(input_ids=ids).logits.float()
-
-
-def _ids(vocab=300, seed=1):
-    return torch.randint(0, vocab, (4, 48), generator=torch.Generator().manual_seed(seed))
-
 
 # -------------------------------------------------------------------------------------------- load
 
@@ -54,11 +27,11 @@ def test_loader_is_exact_and_strict(tiny_model_dir, tmp_path, caplog):
     assert info.missing == 0 and info.unexpected == 0 and info.load_seconds > 0
     assert model.lm_head.weight is model.get_input_embeddings().weight
     assert not model.training and model.dtype == torch.float32
-    reference = _float_model(tiny_model_dir)
+    reference = float_model(tiny_model_dir)
     missing, unexpected = reference.load_state_dict(qd4.load_qd4(out / "draft.qd4"), strict=False)
     assert missing == ["lm_head.weight"] and not unexpected
-    ids = _ids()
-    assert torch.allclose(_logits(model, ids), _logits(reference, ids), atol=1e-5, rtol=0)
+    ids = token_ids()
+    assert torch.allclose(logits(model, ids), logits(reference, ids), atol=1e-5, rtol=0)
 
 
 def test_untied_model_round_trip(tmp_path):
@@ -76,8 +49,8 @@ def test_near_lossless_group_size_agrees_with_float(tiny_model_dir, tmp_path):
     so the logits must be close and the greedy tokens agree almost everywhere."""
     out = run_pack(PackConfig(checkpoint=str(tiny_model_dir), out=str(tmp_path / "p"), group_size=2)).out
     packed, _ = load_packed_model(out)
-    ids = _ids()
-    ref, got = _logits(_float_model(tiny_model_dir), ids), _logits(packed, ids)
+    ids = token_ids()
+    ref, got = logits(float_model(tiny_model_dir), ids), logits(packed, ids)
     assert (got - ref).norm() / ref.norm() < 1e-2
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
 
@@ -88,17 +61,17 @@ def test_default_packing_error_is_quantisation_noise(tiny_model_dir, tmp_path):
     axis or scale would make the packed model far worse than this noise baseline."""
     out = run_pack(PackConfig(checkpoint=str(tiny_model_dir), out=str(tmp_path / "p"))).out
     packed, _ = load_packed_model(out)
-    reference = _float_model(tiny_model_dir)
-    ids = _ids()
-    ref, got = _logits(reference, ids), _logits(packed, ids)
+    reference = float_model(tiny_model_dir)
+    ids = token_ids()
+    ref, got = logits(reference, ids), logits(packed, ids)
     generator = torch.Generator().manual_seed(0)
     noisy = {}
     for name, w in qd4.load_qd4(out / "draft.qd4").items():
         err = (w - reference.state_dict()[name]).flatten()
         noisy[name] = reference.state_dict()[name] + err[torch.randperm(err.numel(), generator=generator)].view_as(w)
-    baseline_model = _float_model(tiny_model_dir)
+    baseline_model = float_model(tiny_model_dir)
     baseline_model.load_state_dict(noisy, strict=False)
-    baseline = _logits(baseline_model, ids)
+    baseline = logits(baseline_model, ids)
     packed_err = float((got - ref).norm() / ref.norm())
     noise_err = float((baseline - ref).norm() / ref.norm())
     assert 0 < packed_err <= 1.25 * noise_err
@@ -108,8 +81,8 @@ def test_bfloat16_load(packed_qwen3):
     model, info = load_packed_model(packed_qwen3.out, dtype=torch.bfloat16)
     assert info.dtype == "bfloat16" and all(p.dtype == torch.bfloat16 for p in model.parameters())
     fp32, _ = load_packed_model(packed_qwen3.out)
-    ids = _ids()
-    a, b = _logits(fp32, ids), _logits(model, ids)
+    ids = token_ids()
+    a, b = logits(fp32, ids), logits(model, ids)
     assert (a - b).norm() / a.norm() < 0.1
 
 

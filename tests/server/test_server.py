@@ -700,17 +700,23 @@ def test_requests_that_outlast_the_shutdown_timeout_are_refused_with_503_not_can
     assert not srv.thread.is_alive()
 
 
+def _hold_the_worker(srv, engine, pool):
+    """A one-token request the fake engine's gate holds in the model: (its future, a deadline 60 s away)."""
+    held = pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [1], "num_tokens": 1}, timeout=60)
+    deadline = time.time() + 60
+    while not engine.calls:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    return held, deadline
+
+
 def test_a_client_that_goes_away_cancels_its_request_before_it_is_computed():
     gate = threading.Event()
     engine = FakeEngine(gate=gate)
     cfg = fake_config(max_batch_size=1, max_wait_ms=0)
     with ThreadServer(create_app(cfg, engine), cfg) as srv, ThreadPoolExecutor(1) as pool:
         try:
-            held = pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [1], "num_tokens": 1}, timeout=60)
-            deadline = time.time() + 60
-            while not engine.calls:
-                assert time.time() < deadline
-                time.sleep(0.01)
+            held, deadline = _hold_the_worker(srv, engine, pool)
             with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
                 httpx.post(srv.url + "/draft", json={"token_ids": [2, 2, 2], "num_tokens": 1}, timeout=0.3)
             cancelled = ("specdraft_draft_outcomes_total", (("outcome", "cancelled"),))
@@ -731,11 +737,7 @@ def test_a_deadline_passed_in_the_queue_is_a_503_without_compute():
     cfg = fake_config(max_batch_size=1, max_wait_ms=0, request_timeout_s=0.5)
     with ThreadServer(create_app(cfg, engine), cfg) as srv, ThreadPoolExecutor(1) as pool:
         try:
-            held = pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [1], "num_tokens": 1}, timeout=60)
-            deadline = time.time() + 60
-            while not engine.calls:
-                assert time.time() < deadline
-                time.sleep(0.01)
+            held, deadline = _hold_the_worker(srv, engine, pool)
             t = time.perf_counter()
             r = httpx.post(srv.url + "/draft", json={"token_ids": [2, 2, 2], "num_tokens": 1}, timeout=30)
             assert r.status_code == 503 and r.json()["error"] == "timeout" and time.perf_counter() - t < 5

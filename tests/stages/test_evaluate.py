@@ -2,13 +2,14 @@ import json
 import random
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from fakes import JSONHandler, serve_http
 from specdraft.core.io import RecordFileError
 from specdraft.core.records import ValidationPoint, load_validation
 from specdraft.drafting.acceptance import evaluate_drafter, percentile
@@ -111,7 +112,7 @@ def test_model_drafter_recomputed_with_naive_greedy(tiny_qwen3_dir, tiny_llama_d
     assert [x["accepted"] for x in r["per_point"]] == by_hand
 
 
-class _DraftHandler(BaseHTTPRequestHandler):
+class _DraftHandler(JSONHandler, BaseHTTPRequestHandler):
     in_flight = 0
     peak = 0
     lock = threading.Lock()
@@ -132,25 +133,12 @@ class _DraftHandler(BaseHTTPRequestHandler):
             payload, code = {"error": "validation_error", "details": [{"field": "token_ids[0]"}]}, 422
         else:
             payload, code = {"draft_ids": lookup_draft(body["token_ids"], body["num_tokens"]), "model": "fake"}, 200
-        data = json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.send_json(code, payload)
 
 
 @pytest.fixture
 def fake_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _DraftHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    yield from serve_http(_DraftHandler)
 
 
 def _lookup_points(n=12):

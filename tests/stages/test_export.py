@@ -7,7 +7,7 @@ import shutil
 import gguf
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
 from specdraft.cli import main
@@ -15,8 +15,8 @@ from specdraft.core.io import read_json, sha256_file
 from specdraft.core.records import load_validation
 from specdraft.model.decode import draft_batch
 from specdraft.model.export import ASSISTED_GENERATION
-from specdraft.model.forward import cache_kwargs
 from specdraft.model.loader import load_draft
+from specdraft.model.simple_decode import transformers_greedy
 from specdraft.model.tiny import build_tiny_model
 from specdraft.stages.export import ExportConfig, run_export
 from specdraft.stages.pack import PackConfig, run_pack
@@ -53,17 +53,6 @@ def _export(model_dir, out, fmt="gguf", **kw):
     return run_export(ExportConfig(model_dir=str(model_dir), format=fmt, out=str(out), **kw))
 
 
-@torch.inference_mode()
-def _hf_greedy(model, context: list[int], n: int) -> list[int]:
-    """n greedy tokens from transformers' own forward and cache (no EOS stop, as a draft is asked for n)."""
-    cache, ids, out = DynamicCache(), torch.tensor([context]), []
-    for _ in range(n):
-        logits = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[0, -1]
-        out.append(int(logits.argmax()))
-        ids = torch.tensor([[out[-1]]])
-    return out
-
-
 # --------------------------------------------------------------------------------------------------- gguf
 
 def test_gguf_read_back_by_transformers_drafts_what_the_packed_draft_drafts(packed, tmp_path):
@@ -79,7 +68,7 @@ def test_gguf_read_back_by_transformers_drafts_what_the_packed_draft_drafts(pack
     assert all(torch.equal(a[k], b[k]) for k in b), [k for k in b if not torch.equal(a[k], b[k])]
     assert len(points) >= 24
     contexts = [p.context_ids for p in points]
-    assert [_hf_greedy(theirs, c, NUM_DRAFT) for c in contexts] == draft_batch(ours, contexts, NUM_DRAFT)
+    assert [transformers_greedy(theirs, c, NUM_DRAFT) for c in contexts] == draft_batch(ours, contexts, NUM_DRAFT)
 
 
 def test_gguf_metadata_holds_the_tokenizer_and_chat_template(packed, tmp_path):

@@ -7,8 +7,9 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
+from transformers import GenerationConfig, Qwen3Config
 
+from packing import REFERENCE_QWEN3_1_7B_BYTES, float_model, logits
 from specdraft.cli import main
 from specdraft.core.io import sha256_file
 from specdraft.model.export import ASSISTED_GENERATION
@@ -17,33 +18,6 @@ from specdraft.model.specs import weights_sha256
 from specdraft.model.tiny import build_tiny_model
 from specdraft.quant import gptq, q4g, qd4
 from specdraft.stages.pack import PackConfig, run_pack
-
-REFERENCE_QWEN3_1_7B_BYTES = 965_635_110
-
-
-@pytest.fixture(scope="module")
-def packed_qwen3(tiny_qwen3_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("packed") / "qwen3"
-    return run_pack(PackConfig(checkpoint=str(tiny_qwen3_dir), out=str(out)))
-
-
-@pytest.fixture
-def packed_copy(packed_qwen3, tmp_path):
-    return shutil.copytree(packed_qwen3.out, tmp_path / "copy")
-
-
-def _float_model(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@torch.inference_mode()
-def _logits(model, ids):
-    return model(input_ids=ids).logits.float()
-
-
-def _ids(vocab=300, seed=1):
-    return torch.randint(0, vocab, (4, 48), generator=torch.Generator().manual_seed(seed))
-
 
 # -------------------------------------------------------------------------------------------- pack
 
@@ -208,15 +182,15 @@ def test_gptq_pack_is_calibrated_and_recorded(tiny_qwen3_dir, tmp_path):
     again = run_pack(PackConfig(**cfg, out=str(tmp_path / "g2"), fit="gptq", calibration=str(traces),
                                 calibration_sequences=8)).out
     assert sha256_file(again / "draft.qd4") == sha256_file(gptq / "draft.qd4")  # deterministic at equal threads
-    reference = _float_model(tiny_qwen3_dir)
+    reference = float_model(tiny_qwen3_dir)
     ids = torch.tensor([json.loads(line)["prompt_ids"] + json.loads(line)["completion_ids"]
                         for line in traces.read_text().splitlines()[:8]])
-    ref = _logits(reference, ids)
+    ref = logits(reference, ids)
     errors = {}
     for name, out in (("gptq", gptq), ("minmax", plain)):
         model, info = load_packed_model(out)
         assert info.missing == 0 and info.unexpected == 0
-        errors[name] = float((_logits(model, ids) - ref).norm() / ref.norm())
+        errors[name] = float((logits(model, ids) - ref).norm() / ref.norm())
     assert errors["gptq"] < errors["minmax"], errors
 
 
@@ -224,7 +198,7 @@ def test_layers_on_a_finer_grid_are_stored_on_it_losslessly(tmp_path, monkeypatc
     """A layer whose weights sit exactly on a G=32 grid (kept unchanged from a Q4_1 GGUF) is stored at G=32,
     bit-exact, by both fits; the others at --group-size. --no-lossless-grids stores everything at G=64."""
     src = build_tiny_model(tmp_path / "src", "qwen3")
-    model = _float_model(src)
+    model = float_model(src)
     with torch.no_grad():
         for m in model.model.layers[0].modules():
             if isinstance(m, torch.nn.Linear):

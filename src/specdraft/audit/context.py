@@ -104,6 +104,18 @@ class AuditContext:
             self.add(check, "fail", f"{what} differ: {fmt(actual)} != {fmt(expected)}", cites)
         return ok
 
+    def check_same_target(self, check: str, record: Path, target: dict, what: str) -> bool:
+        """That ``record``'s ``target`` (spec, weights sha256) is the traces' target: every stage must distil the
+        one model the traces came from."""
+        traces = (self.traces_summary or {}).get("target") or {}
+        return self.check_equal(check, (target.get("spec"), target.get("weights_sha256")),
+                                (traces.get("spec"), traces.get("weights_sha256")),
+                                f"{what} and the traces' target (spec, weights sha256)",
+                                [self.cite(record, "target.spec"), self.cite(record, "target.weights_sha256"),
+                                 self.cite(self.paths.traces_summary, "target.spec"),
+                                 self.cite(self.paths.traces_summary, "target.weights_sha256")],
+                                lambda x: f"{x[0]} {short(x[1])}")
+
     def guard(self, check: str, fn: Callable[[], Any]) -> Any:
         """Run one check; an unexpected error becomes a failed finding instead of ending the audit."""
         try:

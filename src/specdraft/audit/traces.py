@@ -312,11 +312,4 @@ def _validation(ctx: AuditContext, s: dict) -> None:
             points = sum(1 for line in f if line.strip())
         ctx.check_equal("validation points", points, vs.get("points"), "evaluation points",
                         [ctx.cite(vp), ctx.cite(vs_path, "points")])
-    t, v = s.get("target") or {}, vs.get("target") or {}
-    ctx.check_equal("validation target", (v.get("spec"), v.get("weights_sha256")),
-                    (t.get("spec"), t.get("weights_sha256")),
-                    "the validation stage's target and the traces' target (spec, weights sha256)",
-                    [ctx.cite(vs_path, "target.spec"), ctx.cite(vs_path, "target.weights_sha256"),
-                     ctx.cite(ctx.paths.traces_summary, "target.spec"),
-                     ctx.cite(ctx.paths.traces_summary, "target.weights_sha256")],
-                    lambda x: f"{x[0]} {short(x[1])}")
+    ctx.check_same_target("validation target", vs_path, vs.get("target") or {}, "the validation stage's target")

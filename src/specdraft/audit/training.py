@@ -60,13 +60,7 @@ def _target(ctx: AuditContext, meta: dict) -> None:
     if not s:
         ctx.add("train target", "skip", "no traces summary target to compare with", [ctx.cite(mp, "target")])
         return
-    ctx.check_equal("train target", (t.get("spec"), t.get("weights_sha256")),
-                    (s.get("spec"), s.get("weights_sha256")),
-                    "the training target and the traces' target (spec, weights sha256)",
-                    [ctx.cite(mp, "target.spec"), ctx.cite(mp, "target.weights_sha256"),
-                     ctx.cite(ctx.paths.traces_summary, "target.spec"),
-                     ctx.cite(ctx.paths.traces_summary, "target.weights_sha256")],
-                    lambda x: f"{x[0]} {short(x[1])}")
+    ctx.check_same_target("train target", mp, t, "the training target")
 
 
 def _traces(ctx: AuditContext, meta: dict) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from specdraft.core.io import atomic_file
 from specdraft.model.targets import TargetModel
 
 INSTALL_HINT = "pip install 'specdraft[llama]' (llama-cpp-python, which builds llama.cpp)"
@@ -197,12 +198,10 @@ def requantize(source: str | os.PathLike, out: str | os.PathLike, file_type: str
     params.ftype = FILE_TYPES[file_type]
     params.allow_requantize = True
     params.nthread = threads or os.cpu_count() or 1
-    partial = out.with_name(out.name + ".partial")
-    code = lib.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
-    if code != 0:
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(f"llama_model_quantize {source} -> {file_type} returned {code}")
-    os.replace(partial, out)
+    with atomic_file(out) as partial:
+        code = lib.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
+        if code != 0:
+            raise RuntimeError(f"llama_model_quantize {source} -> {file_type} returned {code}")
     return out
 
 

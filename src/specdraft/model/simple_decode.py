@@ -141,3 +141,15 @@ def naive_greedy(model, prompt: Sequence[int], max_new_tokens: int, eos_ids: Ite
         if tok in eos:
             return Generation(out, "eos")
     return Generation(out, "length")
+
+
+@torch.inference_mode()
+def transformers_greedy(model, context: Sequence[int], n: int) -> list[int]:
+    """n greedy tokens from transformers' own forward and ``DynamicCache`` (no EOS stop, as a draft is asked for n):
+    a reference that shares no code with specdraft's decoders."""
+    cache, ids, out = DynamicCache(), torch.tensor([list(context)]), []
+    for _ in range(n):
+        logits = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[0, -1]
+        out.append(int(logits.argmax()))
+        ids = torch.tensor([[out[-1]]])
+    return out

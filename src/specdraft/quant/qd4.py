@@ -18,7 +18,6 @@ import mmap
 import os
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -28,7 +27,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from specdraft import __version__
-from specdraft.core.io import make_shareable_file
+from specdraft.core.io import atomic_file
 from specdraft.quant.q4g import (
     BITS,
     DEFAULT_GROUP_SIZE,
@@ -255,12 +254,10 @@ def write_qd4(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], enco
     producer = _producer(fit)
     specs = [(n, tuple(t.shape), dtype_name(t.dtype), encodings[n]) for n, t in tensors.items()]
     entries, data_nbytes = plan_layout(specs, group_size, group_sizes)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     digest = hashlib.sha256()
-    try:
-        with os.fdopen(fd, "wb") as f:
+    path = Path(path)
+    with atomic_file(path) as tmp:  # fsynced, given the umask's mode (the server may run as another user)
+        with open(tmp, "wb") as f:
             head = _encode_header(_header_json(entries, group_size, data_nbytes, "0" * 64, producer))
             f.write(head)
             pos = 0
@@ -285,13 +282,6 @@ def write_qd4(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], enco
             assert len(final_head) == len(head), "header length changed with the checksum"
             f.seek(0)
             f.write(final_head)
-            f.flush()
-            os.fsync(f.fileno())
-        make_shareable_file(tmp)  # the server may run as another user than the packer
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return QD4Header(FORMAT_VERSION, BITS, group_size, ALIGN, len(head), data_nbytes, digest.hexdigest(),
                      producer, entries)
 

@@ -189,19 +189,10 @@ def _allowed_fields(loc: Iterable[Any]) -> list[str]:
     return ["token_ids", "num_tokens", "sampling", "return_probs", "top_alternatives"]
 
 
+# JSON's names for Python's types, bool before int (a bool is an int)
+JSON_TYPES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "float"), (str, "string"),
+              (list, "array"), (dict, "object"))
+
+
 def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+    return next((name for kind, name in JSON_TYPES if isinstance(value, kind)), type(value).__name__)

@@ -16,9 +16,6 @@ maps exactly and how each engine uses the result.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +24,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from specdraft.core.config import StageConfig
-from specdraft.core.io import atomic_write_json, make_shareable_dir, make_shareable_file, sha256_file
+from specdraft.core.io import atomic_dir, atomic_file, atomic_write_json, sha256_file
 from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.model.export import (
     GGUF_DTYPES,
@@ -162,30 +159,14 @@ def _source_record(src) -> dict[str, Any]:
 
 
 def _export_gguf(cfg: ExportConfig, src, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    with atomic_file(out) as tmp:
         written = write_gguf(src, tmp, cfg.dtype, pre=cfg.tokenizer_pre, name=cfg.name)
-        make_shareable_file(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return written, {"file": out.name, "bytes": out.stat().st_size, "sha256": sha256_file(out)}
 
 
 def _export_hf(cfg: ExportConfig, src, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    make_shareable_dir(tmp)  # it is renamed into place as the artifact
-    try:
+    with atomic_dir(out) as tmp:
         written = write_hf(src, tmp, cfg.dtype, cfg.generation_settings())
         files = [{"name": f.name, "bytes": f.stat().st_size, "sha256": sha256_file(f)}
                  for f in sorted(tmp.iterdir()) if f.is_file()]
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return written, {"dir": out.name, "files": files}

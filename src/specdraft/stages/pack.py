@@ -10,9 +10,7 @@ back, refusing a corrupt or mismatched dir before it builds any model.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +21,7 @@ from pydantic import Field, model_validator
 from transformers import AutoModelForCausalLM
 
 from specdraft.core.config import StageConfig
-from specdraft.core.io import atomic_write_json, make_shareable_dir, read_json, sha256_file
+from specdraft.core.io import atomic_dir, atomic_write_json, read_json, sha256_file
 from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.model.export import ASSISTED_GENERATION, GENERATION_CONFIG, draft_generation_config
 from specdraft.model.loader import ARCHITECTURE_FILE, RECIPE_FILE, TOKENIZER_FILES, WEIGHT_FILE
@@ -105,56 +103,46 @@ def run_pack(cfg: PackConfig) -> PackResult:
         raise FileExistsError(f"{out}: exists and is not a directory (--out names the model dir to write)")
     if out.exists() and any(out.iterdir()) and not cfg.overwrite:
         raise FileExistsError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    make_shareable_dir(tmp)  # it is renamed into place as the artifact
-    try:
-        with stage_log(tmp / "pack.log"):
-            log.info("packing %s (%s) into %s: G=%d, fit %s, embedding %s", cfg.checkpoint, src, out,
-                     cfg.group_size, cfg.fit, cfg.embedding_encoding)
-            if cfg.calibration is not None and not Path(cfg.calibration).is_file():
-                raise FileNotFoundError(f"{cfg.calibration}: no such calibration traces file")
-            source_sha = weights_sha256(src)
-            model = _load_source(src)
-            tensors = qd4.stored_tensors(model)
-            emb_name = qd4.embedding_name(model)
-            encodings = qd4.choose_encodings({n: tuple(t.shape) for n, t in tensors.items()}, emb_name,
-                                             embedding_encoding=cfg.embedding_encoding,
-                                             raw_encoding=cfg.raw_encoding)
-            group_sizes = _group_sizes(cfg, tensors, encodings)
-            quantized, calibration = _calibrate(cfg, model, encodings, group_sizes)
-            header = qd4.write_qd4(tmp / WEIGHT_FILE, tensors, encodings, cfg.group_size, cfg.fit, progress=True,
-                                   quantized=quantized, group_sizes=group_sizes)
-            nbytes = (tmp / WEIGHT_FILE).stat().st_size
-            file_sha = sha256_file(tmp / WEIGHT_FILE)
-            assisted = _copy_side_files(src, tmp, model)
-            atomic_write_json(tmp / ARCHITECTURE_FILE, _architecture(model, tensors, nbytes, file_sha, header))
-            seconds = round(time.time() - started, 3)
-            atomic_write_json(tmp / RECIPE_FILE, {
-                "config": cfg.to_json_dict(),
-                "source": {"checkpoint": cfg.checkpoint, "path": str(src), "weights_sha256": source_sha},
-                "format": {"magic": qd4.MAGIC.decode(), "version": qd4.FORMAT_VERSION, "bits": q4g.BITS,
-                           "group_size": cfg.group_size, "alignment": qd4.ALIGN, "fit": cfg.fit},
-                "encodings": encodings,
-                # what generation_config.json adds to the checkpoint's: the draft's assisted-generation settings
-                "assisted_generation": assisted,
-                # q4g tensors stored at another G than group_size (their lossless grid), by name
-                "group_sizes": group_sizes,
-                **({"calibration": calibration} if calibration else {}),
-                "output": {"weight_file": WEIGHT_FILE, "bytes": nbytes, "sha256": file_sha,
-                           "payload_sha256": header.payload_sha256},
-                "seconds": seconds,
-                **run_metadata(),
-            })
-            source_fp16 = 2 * sum(t.numel() for t in tensors.values())
-            log.info("wrote %s: %d tensors, %s bytes (%.3fx fp16 %s), sha256 %s, %.1fs", WEIGHT_FILE, len(tensors),
-                     f"{nbytes:,}", nbytes / source_fp16, f"{source_fp16:,}", file_sha, seconds)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with atomic_dir(out) as tmp, stage_log(tmp / "pack.log"):
+        log.info("packing %s (%s) into %s: G=%d, fit %s, embedding %s", cfg.checkpoint, src, out,
+                 cfg.group_size, cfg.fit, cfg.embedding_encoding)
+        if cfg.calibration is not None and not Path(cfg.calibration).is_file():
+            raise FileNotFoundError(f"{cfg.calibration}: no such calibration traces file")
+        source_sha = weights_sha256(src)
+        model = _load_source(src)
+        tensors = qd4.stored_tensors(model)
+        emb_name = qd4.embedding_name(model)
+        encodings = qd4.choose_encodings({n: tuple(t.shape) for n, t in tensors.items()}, emb_name,
+                                         embedding_encoding=cfg.embedding_encoding,
+                                         raw_encoding=cfg.raw_encoding)
+        group_sizes = _group_sizes(cfg, tensors, encodings)
+        quantized, calibration = _calibrate(cfg, model, encodings, group_sizes)
+        header = qd4.write_qd4(tmp / WEIGHT_FILE, tensors, encodings, cfg.group_size, cfg.fit, progress=True,
+                               quantized=quantized, group_sizes=group_sizes)
+        nbytes = (tmp / WEIGHT_FILE).stat().st_size
+        file_sha = sha256_file(tmp / WEIGHT_FILE)
+        assisted = _copy_side_files(src, tmp, model)
+        atomic_write_json(tmp / ARCHITECTURE_FILE, _architecture(model, tensors, nbytes, file_sha, header))
+        seconds = round(time.time() - started, 3)
+        atomic_write_json(tmp / RECIPE_FILE, {
+            "config": cfg.to_json_dict(),
+            "source": {"checkpoint": cfg.checkpoint, "path": str(src), "weights_sha256": source_sha},
+            "format": {"magic": qd4.MAGIC.decode(), "version": qd4.FORMAT_VERSION, "bits": q4g.BITS,
+                       "group_size": cfg.group_size, "alignment": qd4.ALIGN, "fit": cfg.fit},
+            "encodings": encodings,
+            # what generation_config.json adds to the checkpoint's: the draft's assisted-generation settings
+            "assisted_generation": assisted,
+            # q4g tensors stored at another G than group_size (their lossless grid), by name
+            "group_sizes": group_sizes,
+            **({"calibration": calibration} if calibration else {}),
+            "output": {"weight_file": WEIGHT_FILE, "bytes": nbytes, "sha256": file_sha,
+                       "payload_sha256": header.payload_sha256},
+            "seconds": seconds,
+            **run_metadata(),
+        })
+        source_fp16 = 2 * sum(t.numel() for t in tensors.values())
+        log.info("wrote %s: %d tensors, %s bytes (%.3fx fp16 %s), sha256 %s, %.1fs", WEIGHT_FILE, len(tensors),
+                 f"{nbytes:,}", nbytes / source_fp16, f"{source_fp16:,}", file_sha, seconds)
     return PackResult(bytes=nbytes, out=out, sha256=file_sha, seconds=seconds)
 
 

@@ -43,7 +43,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 from pydantic import Field, field_validator, model_validator
 
@@ -184,20 +184,29 @@ def opened_backend(cfg: _DecodeFields, given: TraceBackend | None) -> Iterator[T
 def run_traces(cfg: TracesConfig, backend: TraceBackend | None = None) -> StageResult:
     """``backend`` (optional) replaces the one built from the config (tests pass a fake vLLM engine); its caller
     closes it."""
-    out = Path(cfg.out)
+    return _logged(cfg.out, lambda out, summary_path, log_path: _run_traces(cfg, out, summary_path, log_path,
+                                                                             backend))
+
+
+def _logged(out: str | Path, run: Callable[[Path, Path, Path], StageResult]) -> StageResult:
+    """``run(out, summary path, log path)`` with the stage's log file beside its output."""
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary_path, log_path = side_paths(out)
     with stage_log(log_path):
-        return _run_traces(cfg, out, summary_path, log_path, backend)
+        return run(out, summary_path, log_path)
+
+
+def _limited_prompts(cfg: TracesConfig | ValidationConfig) -> tuple[list, int]:
+    """(the prompts file's first ``--limit`` records, how many the file holds)."""
+    records = read_prompts(cfg.prompts)
+    return (records if cfg.limit is None else records[:cfg.limit]), len(records)
 
 
 def _run_traces(cfg: TracesConfig, out: Path, summary_path: Path, log_path: Path,
                 backend: TraceBackend | None) -> StageResult:
     started = time.time()
-    records = read_prompts(cfg.prompts)
-    total_in_file = len(records)
-    if cfg.limit is not None:
-        records = records[:cfg.limit]
+    records, total_in_file = _limited_prompts(cfg)
     shard_i, shard_n = parse_shard(cfg.shard)
     records = records[shard_i::shard_n]
 
@@ -315,20 +324,14 @@ def evaluation_points(completion: Sequence[int], num_draft: int) -> list[int]:
 
 def run_validation(cfg: ValidationConfig, backend: TraceBackend | None = None) -> StageResult:
     """``backend`` (optional) replaces the one built from the config; its caller closes it."""
-    out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    summary_path, log_path = side_paths(out)
-    with stage_log(log_path):
-        return _run_validation(cfg, out, summary_path, log_path, backend)
+    return _logged(cfg.out, lambda out, summary_path, log_path: _run_validation(cfg, out, summary_path, log_path,
+                                                                                 backend))
 
 
 def _run_validation(cfg: ValidationConfig, out: Path, summary_path: Path, log_path: Path,
                     backend: TraceBackend | None) -> StageResult:
     started = time.time()
-    records = read_prompts(cfg.prompts)
-    total_in_file = len(records)
-    if cfg.limit is not None:
-        records = records[:cfg.limit]
+    records, total_in_file = _limited_prompts(cfg)
     repair_jsonl(out)
     # The last prompt's points may have been cut short by a kill: redo that prompt, unless the summary
     # vouches for the file as a finished run left it.
