@@ -21,9 +21,13 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 # the llama extra builds llama.cpp from source (several minutes on 2 cores): the tests need it, the demo uses it
-# when present (`make install-llama`)
+# when present (`make install-llama`). It is built for what this CPU runs (a probe leaves out AMX where the CPU
+# lists it but cannot execute it), then a child process decodes a few tokens with it: an engine that dies here fails
+# the install with the reason, instead of the tests or the demo later (specdraft.model.llamacpp_check)
 $(LLAMA): $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install -q --disable-pip-version-check -e '.[dev,llama]'
+	CMAKE_ARGS="$$($(BIN)/python -m specdraft.model.llamacpp_check build-flags)" \
+	  $(BIN)/pip install -q --disable-pip-version-check -e '.[dev,llama]'
+	$(BIN)/python -m specdraft.model.llamacpp_check smoke
 	touch $(LLAMA)
 
 install: $(STAMP)

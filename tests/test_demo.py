@@ -95,6 +95,7 @@ def _stub_run(tmp_path, monkeypatch, audit_exit=0, llama=False, run=(), files=No
     monkeypatch.setattr(pipeline, "run_stage", stage)
     monkeypatch.setattr(pipeline, "plan", lambda budget, stages, threads: NO_PLAN)  # no probe of this machine
     monkeypatch.setattr(steps, "llama_cpp_available", lambda: llama)
+    monkeypatch.setattr(steps, "engine_problem", lambda: None)  # the engine runs (no child process here)
     monkeypatch.setattr(steps, "run_selfcheck", lambda cfg: calls.append("selfcheck") or 0)
     monkeypatch.setattr(steps, "run_audit", lambda cfg: calls.append(f"audit {cfg.run_dir}") or audit_exit)
     monkeypatch.setattr(pipeline, "check_pipeline_models", lambda target, init: PipelineModels(
@@ -437,3 +438,15 @@ def test_the_packaged_reference_names_its_machine_and_covers_every_marked_stage(
     assert reference["units"] == plan_mod.stage_units(demo.BUDGETS["small"])  # recorded with today's budget
     assert {"traces", "train", "eval_trained", "speculate"} <= set(reference["stage_seconds"])
     assert reference["machine"]["cpu_class"] in ("avx2", "avx512", "avx512-bf16", "amx")
+
+
+def test_an_engine_that_dies_here_leaves_the_demo_going_without_its_llama_cpp_rows(tmp_path, monkeypatch):
+    run, calls, _ = _stub_run(tmp_path, monkeypatch, llama=True)
+    monkeypatch.setattr(steps, "engine_problem", lambda: "llama.cpp (llama-cpp-python) does not run on this CPU: "
+                                                         "decoding a few tokens of the embedded target killed by "
+                                                         "SIGILL")
+    assert demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()))) == 0
+    assert "speculate_llama_cpp" not in calls and calls[-1] == f"audit {run}"
+    text = (run / "demo_summary.md").read_text()
+    assert "Not measured in this run: llama.cpp (llama-cpp-python) does not run on this CPU" in text
+    assert "killed by SIGILL" in text and "rebuild llama-cpp-python" in text

@@ -32,6 +32,7 @@ from specdraft.demo import Budget, DemoConfig, run_demo
 from specdraft.drafting.llamacpp import LlamaCppDrafter
 from specdraft.model.decode import draft_batch
 from specdraft.model.llamacpp import INSTALL_HINT, llama_cpp_available, vocab_compatible, vocab_texts
+from specdraft.model.llamacpp_check import engine_problem
 from specdraft.model.loader import load_draft
 from specdraft.model.reference import (
     DRAFT_SHAPE,
@@ -269,6 +270,9 @@ def _greedy_drafts(run_dir: Path, limit: int = 64) -> tuple[list[list[int]], lis
 def _llama_cpp_check(run_dir: Path, cfg: RehearseConfig) -> Check:
     if not llama_cpp_available():
         return _row(None, f"llama-cpp-python is not installed ({INSTALL_HINT})")
+    problem = engine_problem()
+    if problem:
+        return _row(False, problem)
     draft_gguf = run_dir / "export" / "draft.gguf"
     # the target's tokenizer as llama.cpp reads it: the target's own weights (packed) exported to GGUF
     target_gguf = run_dir / "export" / "target_self.gguf"

@@ -23,6 +23,7 @@ from specdraft.demo.config import REPO_ROOT, DemoConfig
 from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM
 from specdraft.model.compat import PipelineModels
 from specdraft.model.llamacpp import llama_cpp_available, llama_cpp_version
+from specdraft.model.llamacpp_check import engine_problem
 from specdraft.model.truncate import save_init
 from specdraft.server.process import ServerProcess
 from specdraft.stages.evaluate import EvalConfig, run_eval
@@ -208,6 +209,10 @@ def _llama_cpp_unavailable(run: Run) -> dict[str, str] | None:
         return {"why": f"the target {run.cfg.target} brings no GGUF file of its own (only an embedded target does)",
                 "how": "`specdraft speculate --engine llama.cpp --target-gguf FILE --draft RUN_DIR/export/draft.gguf` "
                        "measures it with the target's GGUF file"}
+    problem = engine_problem()
+    if problem:
+        return {"why": problem, "how": "rebuild llama-cpp-python as the message says, then `make demo` again (it "
+                                       "skips the finished stages)"}
     return None
 
 

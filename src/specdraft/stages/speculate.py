@@ -53,6 +53,7 @@ from specdraft.drafting.timing_report import results_markdown
 from specdraft.model.chat import encode_prompts
 from specdraft.model.device import DEVICE_HELP, resolve_device
 from specdraft.model.llamacpp import LlamaCppTarget, batched_against_sequential, llama_cpp_version, requantize
+from specdraft.model.llamacpp_check import engine_problem
 from specdraft.model.sampling import SamplingParams
 from specdraft.model.specs import DEFAULT_TARGET, describe_source, embedded_gguf_path, load_model, load_tokenizer
 from specdraft.model.targets import TargetModel, TorchTarget
@@ -449,6 +450,9 @@ def _load_target(config: SpeculateConfig, tokenizer, prompts: list[Prompt], stac
         drafters = build_drafters(config, tokenizer)
         stack.callback(_close_all, drafters)
         return TorchTarget(model), drafters, describe_source(config.target)
+    problem = engine_problem()  # in a child first: an engine that dies of an instruction would take this process along
+    if problem:
+        raise RuntimeError(problem)
     gguf, threads, n_ctx = target_gguf_path(config), _llama_threads(config), _context_size(config, prompts)
     target = LlamaCppTarget(gguf, n_ctx=n_ctx, threads=threads)
     stack.callback(target.close)
