@@ -214,6 +214,27 @@ def test_a_full_queue_is_refused_and_close_answers_then_refuses():
     assert not s.running
 
 
+def test_the_queue_depth_counts_what_waits_while_the_model_holds_the_worker():
+    """Three requests arrive together, two slots: the worker admits two and the model holds it; the third is
+    counted as waiting at once (not only when the held iteration ends), for /metrics and for the queue limit."""
+    gate = threading.Event()
+    short = FakeLane(2, 12, 4, gate=gate)
+    s = Scheduler(short, None, num_draft=4, long_context_tokens=8, max_queue=3)
+    requests = [s.submit([i], 1, 60) for i in range(3)]  # queued before the worker starts: one batch
+    s.start()
+    while not short.calls:
+        time.sleep(0.001)
+    try:
+        assert short.calls[0] == ("admit", [1, 1]) and s.queue_depth() == 1
+        requests += [s.submit([3], 1, 60), s.submit([4], 1, 60)]
+        with pytest.raises(QueueFullError):
+            s.submit([5], 1, 60)
+    finally:
+        gate.set()
+        s.close(10)
+    assert [r.future.result(0).tokens for r in requests] == [[i] for i in range(5)]
+
+
 def test_close_refuses_what_it_has_no_time_for():
     gate = threading.Event()
     s, short, _, _ = _scheduler(short_slots=1, gate=gate)

@@ -326,6 +326,7 @@ class Scheduler:
                 self._inbox.clear()
             for r in arrived:
                 self._waiting["long" if r.long else "short"].append(r)
+            self._publish_load()
             try:
                 self._iteration()
             except BaseException:  # never let the worker die: the iteration failed its own requests
@@ -365,11 +366,17 @@ class Scheduler:
             self.costs.iteration = Costs.blend(self.costs.iteration, seconds)
             self.costs.short_work = Costs.blend(self.costs.short_work, short_seconds)
         self.iterations += 1
-        with self._lock:
-            self._load = Load.of(self._waiting, self._running.values(), self._chunked)
+        self._publish_load()
         if self.observer is not None:
             self.observer.iteration(seconds, rows, prefill, ok)
             self.observer.depth(sum(map(len, self._waiting.values())), len(self._running))
+
+    def _publish_load(self) -> None:
+        """What admission estimates and /metrics read: refreshed whenever requests move between the inbox, the
+        waiting queues and the lanes, before a model call that may hold the worker for long."""
+        load = Load.of(self._waiting, self._running.values(), self._chunked)
+        with self._lock:
+            self._load = load
 
     def _drop_abandoned(self) -> None:
         """Requests whose client gave up or whose deadline passed leave the queue and the lanes unanswered."""
@@ -438,6 +445,7 @@ class Scheduler:
                 r.running, r.prefilled = True, width
                 self._running[r.key] = r
                 self.computed_keys.append(r.key)
+            self._publish_load()
             started = time.perf_counter()
             tokens = self.short.admit([r.key for r in group], [r.context for r in group], [r.sampling for r in group])
             self._measure_prefill(width * len(group), time.perf_counter() - started, long=False)
@@ -467,6 +475,7 @@ class Scheduler:
             self.computed_keys.append(r.key)
             if self.observer is not None:
                 self.observer.admitted([time.monotonic() - r.enqueued])
+            self._publish_load()
         r = self._chunked
         size = min(self._chunk_size(busy), len(r.context) - r.prefilled)
         started = time.perf_counter()
