@@ -14,11 +14,13 @@ def expected(context, n, vocab=1000):
 class FakeLane:
     """A ``scheduler.Lane`` without a model: one token per step per row, ``expected`` of its context (whatever
     the row's sampling settings, which ``sampling`` records per key). Records every call; ``delay`` slows each
-    model call, ``gate`` holds them, ``fail_when(context)`` raises."""
+    model call, ``gate`` holds them, ``fail_when(context)`` raises; ``reuse(context)`` is what a prefix cache would
+    copy in (default: no cache)."""
 
     def __init__(self, slots, capacity, num_draft, vocab=1000, delay=0.0, gate=None, fail_when=None, calls=None,
-                 hook=None):
+                 hook=None, reuse=None):
         self.slots, self.capacity, self.num_draft, self.vocab = slots, capacity, num_draft, vocab
+        self.reuse, self.block_tokens = reuse, 0
         self.delay, self.gate, self.fail_when, self.hook = delay, gate, fail_when, hook
         self.rows: dict[int, tuple[list[int], list[int]]] = {}  # key -> (context, tokens)
         self.chunked: tuple[int, int] | None = None  # (key, tokens prefilled)
@@ -28,6 +30,9 @@ class FakeLane:
     @property
     def free(self):
         return self.slots - len(self.rows) - (self.chunked is not None)
+
+    def cached(self, context):
+        return self.reuse(context) if self.reuse is not None else 0
 
     def _model(self, what, contexts):
         self.calls.append((what, [len(c) for c in contexts]))
@@ -58,7 +63,7 @@ class FakeLane:
 
     def prefill_chunk(self, key, context, start, size, sampling):
         self.sampling[key] = sampling
-        assert (self.chunked is None and start == 0 and self.free) or self.chunked == (key, start)
+        assert (self.chunked is None and start == self.cached(context) and self.free) or self.chunked == (key, start)
         self._model("chunk", [context[start:start + size]])
         end = min(start + size, len(context))
         if end < len(context):
@@ -90,7 +95,7 @@ class FakeEngine:
         self.compute_choice = {"compute": self.compute, "prefill": self.compute, "requested": self.compute,
                                "reason": f"--compute {self.compute}"}
 
-    def lane(self, slots, capacity, num_draft):
+    def lane(self, slots, capacity, num_draft, prefix_cache=None):
         lane = FakeLane(slots, capacity, num_draft, self.vocab_size, self.delay, self.gate, self.fail_when)
         self.lanes.append(lane)
         return lane

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from fakes import FakeEngine
+from servers import ThreadServer, metric_samples
 from specdraft.model.generation import DraftSampling
 from specdraft.model.sampling import SamplingParams
-from specdraft.server.app import SHUTDOWN_MARGIN_S, bind_socket, create_app, every, make_server, url_of
+from specdraft.server.app import SHUTDOWN_MARGIN_S, create_app, every
 from specdraft.server.config import ServeConfig
 from specdraft.server.engine import DraftEngine, heap_trimmer, load_engine
 from specdraft.server.process import ServerProcess
@@ -36,29 +36,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------------- helpers
-
-class ThreadServer:
-    """uvicorn in a thread on a pre-bound port-0 socket (the app's lifespan runs as in `serve`)."""
-
-    def __init__(self, app, config: ServeConfig):
-        self.sock = bind_socket("127.0.0.1", 0)
-        self.url = url_of(self.sock)
-        self.server = make_server(config, app, self.sock, lambda: None)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "in-process server did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
-
 
 def fake_config(**kw) -> ServeConfig:
     return ServeConfig(model_dir="unused", **kw)
@@ -83,12 +60,6 @@ def wait_healthy(url: str, timeout: float = START_TIMEOUT) -> dict:
             pass
         time.sleep(0.1)
     raise AssertionError(f"{url} never became healthy")
-
-
-def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def assert_error(r: httpx.Response, status: int, field: str, reason: str = "") -> dict:
@@ -146,6 +117,8 @@ def test_serve_logs_the_loader_line_and_health(live, packed_dir):
                for x in lines), lines
     health = httpx.get(url + "/health").json()
     choice = health.pop("compute_choice")
+    cache = health.pop("prefix_cache")  # on by default, its budget a share of the memory available at start
+    assert cache["block_tokens"] == 32 and cache["budget_bytes"] > 0 and cache["used_bytes"] >= 0
     assert health == {"status": "ok", "model": packed_dir.name, "compute": choice["compute"], "detail": None}
     # the default, auto: measured at load on the server's work, and said in the log and in /health
     assert choice["requested"] == "auto" and choice["reason"].startswith("measured over 6 scenarios")
@@ -620,7 +593,7 @@ def test_health_is_503_until_the_weights_are_loaded(monkeypatch, packed_dir):
     with ThreadServer(create_app(cfg), cfg) as srv:
         r = httpx.get(srv.url + "/health")
         assert r.status_code == 503 and r.json() == {"status": "loading", "model": None, "compute": None,
-                                                     "detail": None, "compute_choice": None}
+                                                     "detail": None, "compute_choice": None, "prefix_cache": None}
         r = httpx.post(srv.url + "/draft", json={"token_ids": [1]})
         assert r.status_code == 503 and r.json()["error"] == "not_ready" and "retry-after" in r.headers
         # the request schema is known before the weights: bad input is still a 4xx
@@ -637,8 +610,12 @@ def test_health_reports_what_the_engine_declares():
     cfg = fake_config()
     with ThreadServer(create_app(cfg, engine), cfg) as srv:
         r = httpx.get(srv.url + "/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok", "model": "fake", "compute": "float32",
-                                                 "detail": None, "compute_choice": engine.compute_choice}
+    body = r.json()
+    budget = body["prefix_cache"].pop("budget_bytes")  # a share of the memory available at start
+    assert r.status_code == 200 and body == {"status": "ok", "model": "fake", "compute": "float32", "detail": None,
+                                             "compute_choice": engine.compute_choice,
+                                             "prefix_cache": {"block_tokens": 32, "used_bytes": 0, "blocks": 0}}
+    assert 0 < budget <= 1024 << 20
 
 
 def test_failed_load_reports_failed_health(tmp_path, packed_dir):

@@ -6,6 +6,10 @@ token for every live row per ``step``, with per-row positions and attention mask
 alone; a finished row leaves its slot at once for the next prompt. Its decode steps run ``lean.LeanForward``
 where the model allows it. ``supports_slot_cache`` says which models it can run (full attention through
 ``sdpa`` or ``eager`` in every layer). ``decode.iter_greedy`` and the draft server drive it.
+
+With a ``prefix_cache.PrefixCache`` it runs in block mode: every prompt is prefilled in aligned blocks, one forward
+each, its full blocks kept in the cache and the cached ones of a prompt's prefix copied in, not computed; a
+prompt then gets the same bits whatever the cache held (``SlotCache.read_columns`` / ``write_columns`` move them).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from specdraft.model.forward import cache_kwargs, left_pad, model_device, pad_token_id, positions_from_mask
 from specdraft.model.generation import DraftSampling, Generation, RowSampler, top_logprobs_of
 from specdraft.model.lean import lean_forward
+from specdraft.model.prefix_cache import PrefixCache
 from specdraft.model.specs import text_config
 
 
@@ -127,6 +132,20 @@ class SlotCache(Cache):
                 layer.keys[d, :, :width] = layer.keys[s, :, :width]
                 layer.values[d, :, :width] = layer.values[s, :, :width]
 
+    def read_columns(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Columns ``[start, end)`` of one slot, every layer's keys and values: [layers, 2, kv heads, T, head dim]."""
+        return torch.stack([torch.stack((layer.keys[slot, :, start:end], layer.values[slot, :, start:end]))
+                            for layer in self.layers])
+
+    def write_columns(self, slot: int, start: int, kv: torch.Tensor) -> None:
+        """``read_columns``' layout written into one slot from column ``start``."""
+        end = start + kv.shape[3]
+        for layer, (k, v) in zip(self.layers, kv):
+            if not layer.is_initialized:  # a slot filled from cached blocks before any forward ran
+                layer.lazy_initialization(k[None], v[None])
+            layer.keys[slot, :, start:end] = k
+            layer.values[slot, :, start:end] = v
+
     def nbytes(self) -> int:
         return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in self.layers if layer.is_initialized)
 
@@ -152,7 +171,8 @@ class SlotDecoder:
     """
 
     def __init__(self, model, slots: int, capacity: int, max_new_tokens: int, eos: set[int],
-                 pad_id: int | None = None, lean: bool = True, row_attention: bool = False, top_logprobs: int = 0):
+                 pad_id: int | None = None, lean: bool = True, row_attention: bool = False, top_logprobs: int = 0,
+                 prefix_cache: PrefixCache | None = None):
         self.model, self.max_new_tokens, self.eos = model, max_new_tokens, eos
         # k > 0: each row also keeps the target's k most likely tokens and log-probabilities at every position it
         # generates (the distribution traces store for distillation); computed from the logits the argmax uses
@@ -180,10 +200,19 @@ class SlotDecoder:
         self.position = torch.zeros(slots, dtype=torch.long, device=self.device)  # next position id
         self.last = torch.zeros(slots, dtype=torch.long, device=self.device)  # token fed at the next step
         self.columns = torch.arange(capacity, device=self.device)
+        # Block mode: every prompt is prefilled in blocks aligned to the cache's block size, one forward each, and
+        # its full blocks are kept in (and copied from) the cache: a prompt gets the same bits whatever is cached
+        # (model.prefix_cache says why). Without a cache, a prompt is prefilled whole, as it always was.
+        self.prefix_cache = prefix_cache
+        self._chunk_keys: list[int] = []  # block keys of the prompt prefilled in pieces (block mode)
 
     @property
     def free(self) -> int:
         return self.slots - self.n - (self.chunked is not None)
+
+    def reusable(self, prompt: Sequence[int]) -> int:
+        """Tokens of ``prompt`` a prefill would copy from the prefix cache now (0 without one)."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.reusable(prompt)
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """Boolean [B, 1, Q, K] for sdpa; an additive float mask for eager attention."""
@@ -203,11 +232,11 @@ class SlotDecoder:
             return []
         if m > self.free:
             raise ValueError(f"admit: {m} prompts but only {self.free} free slots")
+        if self.prefix_cache is not None:
+            return self._admit_blocks(indices, prompts, self._samplers(sampling, m))
         ids, mask = left_pad(prompts, self.pad_id, self.device)  # [m, W]
         width = ids.shape[1]
-        if width + self.max_new_tokens - 1 > self.capacity:
-            raise ValueError(f"admit: prompt of {width} tokens needs a capacity of "
-                             f"{width + self.max_new_tokens - 1} > {self.capacity}")
+        self._check_capacity("admit", width)
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         allowed = causal[None] & mask.bool()[:, None, :]  # [m, W, W] real keys only
         allowed |= torch.eye(width, dtype=torch.bool, device=self.device)  # padding attends to itself (no NaN)
@@ -237,23 +266,82 @@ class SlotDecoder:
     def prefill_chunk(self, index: int, prompt: Sequence[int], start: int, size: int,
                       sampling: DraftSampling | None = None) -> list[tuple[int, Generation]]:
         """Prefill ``prompt[start:start + size]`` of one long prompt, which waits in the top slot meanwhile (one at a
-        time). Its last piece makes the row live, as ``admit`` does (with ``sampling``), and returns it if it
-        already finished."""
+        time). Its first piece starts at 0 or, with a prefix cache, at ``reusable(prompt)``: that prefix is copied in;
+        in block mode a piece starts and ends on a block boundary (or at the prompt's end). Its last piece makes the
+        row live, as ``admit`` does (with ``sampling``), and returns it if it already finished."""
         total, end = len(prompt), min(start + size, len(prompt))
-        if start == 0:
-            if self.chunked is not None:
-                raise ValueError("prefill_chunk: another prompt is being prefilled in pieces")
-            if self.free < 1:
-                raise ValueError("prefill_chunk: no free slot")
-            if total + self.max_new_tokens - 1 > self.capacity:
-                raise ValueError(f"prefill_chunk: prompt of {total} tokens needs a capacity of "
-                                 f"{total + self.max_new_tokens - 1} > {self.capacity}")
-            self.chunked = (index, self.slots - 1)
-        elif self.chunked is None or self.chunked[0] != index:
-            raise ValueError(f"prefill_chunk: prompt {index} is not the one being prefilled in pieces")
         if not start < end:
             raise ValueError(f"prefill_chunk: empty piece [{start}, {end}) of a {total}-token prompt")
+        block = self.prefix_cache.block_tokens if self.prefix_cache is not None else 0
+        if block and (start % block or (end < total and end % block)):
+            raise ValueError(f"prefill_chunk: piece [{start}, {end}) is not on {block}-token block boundaries")
+        if start == 0 or self.chunked is None:
+            self._begin_pieces(index, prompt, start)
+        elif self.chunked[0] != index:
+            raise ValueError(f"prefill_chunk: prompt {index} is not the one being prefilled in pieces")
         slot = self.chunked[1]
+        logits = self._fill(slot, prompt, self._chunk_keys, start, end)
+        if end < total:
+            return []
+        self.chunked = None
+        r = self.n
+        if slot != r:
+            self.cache.move_rows([slot], [r], total)
+        return self._go_live(index, r, total, logits, self._samplers(None if sampling is None else [sampling], 1)[0])
+
+    def _begin_pieces(self, index: int, prompt: Sequence[int], start: int) -> None:
+        """The top slot takes a prompt to prefill in pieces, its first ``start`` tokens copied from the cache."""
+        if self.chunked is not None:
+            raise ValueError("prefill_chunk: another prompt is being prefilled in pieces")
+        if start and self.prefix_cache is None:
+            raise ValueError(f"prefill_chunk: prompt {index} is not the one being prefilled in pieces")
+        if self.free < 1:
+            raise ValueError("prefill_chunk: no free slot")
+        self._check_capacity("prefill_chunk", len(prompt))
+        slot = self.slots - 1
+        self._chunk_keys = [] if self.prefix_cache is None else self.prefix_cache.chain(prompt)
+        if start and self._copy_in(slot, prompt, self._chunk_keys, start) != start:
+            raise ValueError(f"prefill_chunk: the prefix cache does not hold the first {start} tokens of prompt "
+                             f"{index}")
+        self.chunked = (index, slot)
+
+    def _admit_blocks(self, indices: Sequence[int], prompts: Sequence[Sequence[int]],
+                      samplers: list[RowSampler | None]) -> list[tuple[int, Generation]]:
+        """Block mode's ``admit``: each prompt into the next free row, its cached prefix copied in and the rest
+        computed block by block (each row alone: a block's computation must not depend on its neighbours)."""
+        finished: list[tuple[int, Generation]] = []
+        for index, prompt, sampler in zip(indices, prompts, samplers):
+            self._check_capacity("admit", len(prompt))
+            keys = self.prefix_cache.chain(prompt)
+            r = self.n
+            logits = self._fill(r, prompt, keys, self._copy_in(r, prompt, keys), len(prompt))
+            finished += self._go_live(index, r, len(prompt), logits, sampler)
+        return finished
+
+    def _copy_in(self, slot: int, prompt: Sequence[int], keys: list[int], limit: int | None = None) -> int:
+        """Copy the prompt's cached blocks (at most ``limit`` tokens) into ``slot``; the tokens copied."""
+        blocks = self.prefix_cache.take(prompt, keys, limit)
+        block = self.prefix_cache.block_tokens
+        for i, kv in enumerate(blocks):
+            self.cache.write_columns(slot, i * block, kv)
+        return len(blocks) * block
+
+    def _fill(self, slot: int, prompt: Sequence[int], keys: list[int], start: int, end: int) -> torch.Tensor:
+        """Compute ``prompt[start:end]`` into ``slot``: one forward, or in block mode one per block, each full
+        block then stored in the cache. The last position's logits [1, V]."""
+        if self.prefix_cache is None:
+            return self._extend(slot, prompt, start, end)
+        block = self.prefix_cache.block_tokens
+        for s in range(start, end, block):
+            e = min(s + block, end)
+            logits = self._extend(slot, prompt, s, e)
+            if e - s == block:
+                self.prefix_cache.put(prompt, keys, s // block, self.cache.read_columns(slot, s, e))
+        return logits
+
+    def _extend(self, slot: int, prompt: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """One forward of ``prompt[start:end]`` into ``slot``, attending to its earlier columns and causally within
+        the piece; the last position's logits [1, V]."""
         positions = torch.arange(start, end, device=self.device)[None]  # [1, size]
         allowed = self.columns[:end][None, :] <= positions[0, :, None]  # [size, end]: earlier columns and causal
         self.cache.plan_extend(slot, start)
@@ -261,21 +349,25 @@ class SlotDecoder:
                          attention_mask=self._mask(allowed[None, None]), position_ids=positions, use_cache=True,
                          logits_to_keep=1, **cache_kwargs(self.model, self.cache))
         self.cache.end_forward()
-        if end < total:
-            return []
-        self.chunked = None
-        r = self.n
-        if slot != r:
-            self.cache.move_rows([slot], [r], total)
-        samplers = self._samplers(None if sampling is None else [sampling], 1)
-        first = self._pick(out.logits[:, -1, :], samplers)  # [1]
+        return out.logits[:, -1, :]
+
+    def _go_live(self, index: int, r: int, total: int, logits: torch.Tensor,
+                 sampler: RowSampler | None) -> list[tuple[int, Generation]]:
+        """Row ``r``, its prompt of ``total`` tokens in columns ``[0, total)``, joins the live rows with its first
+        token picked from ``logits``; returned if that already finished it."""
+        first = self._pick(logits, [sampler])  # [1]
         self.start[r], self.end[r], self.position[r], self.last[r] = 0, total, total, first[0]
         self.index.append(index)
         self.tokens.append([])
         self.tops.append(([], []))
-        self.samplers.extend(samplers)
+        self.samplers.append(sampler)
         self.n += 1
-        return self._record(first.tolist(), [r], self._tops(out.logits[:, -1, :]))
+        return self._record(first.tolist(), [r], self._tops(logits))
+
+    def _check_capacity(self, what: str, width: int) -> None:
+        if width + self.max_new_tokens - 1 > self.capacity:
+            raise ValueError(f"{what}: prompt of {width} tokens needs a capacity of "
+                             f"{width + self.max_new_tokens - 1} > {self.capacity}")
 
     @torch.inference_mode()
     def release(self, indices: Iterable[int]) -> None:

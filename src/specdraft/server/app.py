@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdraft import __version__
 from specdraft.model.loader import ModelLoadError
+from specdraft.model.prefix_cache import PrefixCache
 from specdraft.model.specs import load_config, text_config
 from specdraft.server.config import ServeConfig
 from specdraft.server.engine import DraftEngine, heap_trimmer, load_engine
@@ -56,6 +57,7 @@ from specdraft.server.schema import (
     ErrorDetail,
     ErrorResponse,
     Health,
+    PrefixCacheHealth,
     draft_request_model,
     draft_sampling,
     integral_bounds,
@@ -101,6 +103,7 @@ class ServerState:
         self.vocab_size = vocab_size  # config.json's: the request schema's, which a loaded draft must match
         self.engine: DraftEngine | None = None  # None until the weights are loaded
         self.scheduler: Scheduler | None = None
+        self.prefix_cache: PrefixCache | None = None  # shared by both lanes; None when --prefix-cache-mb is 0
         self.loader: threading.Thread | None = None
         self.status = "loading"
         self.error: str | None = None
@@ -134,8 +137,14 @@ class ServerState:
         cfg = self.config
         after_iteration = _heap_trimming(cfg.trim_heap)  # trims once now, before the lanes take their memory
         short_context = min(cfg.long_context_tokens, self.max_context)
-        short = engine.lane(cfg.max_batch_size, short_context + cfg.num_draft, cfg.num_draft)
-        long = (engine.lane(cfg.long_slots, self.max_context + cfg.num_draft, cfg.num_draft)
+        budget = cfg.prefix_cache_bytes()
+        self.prefix_cache = PrefixCache(cfg.prefix_block_tokens, budget) if budget else None
+        if self.prefix_cache is not None:
+            self.metrics.watch_prefix_cache(self.prefix_cache.stats)
+        log.info("prefix cache: %s", f"{budget / 2**20:.0f} MiB in blocks of {cfg.prefix_block_tokens} tokens"
+                 if budget else "off (--prefix-cache-mb 0): every context prefilled whole")
+        short = engine.lane(cfg.max_batch_size, short_context + cfg.num_draft, cfg.num_draft, self.prefix_cache)
+        long = (engine.lane(cfg.long_slots, self.max_context + cfg.num_draft, cfg.num_draft, self.prefix_cache)
                 if self.max_context > short_context else None)
         self.scheduler = Scheduler(short, long, num_draft=cfg.num_draft, long_context_tokens=short_context,
                                    prefill_tokens=cfg.prefill_tokens, chunk_tokens=cfg.prefill_chunk_tokens,
@@ -153,8 +162,15 @@ class ServerState:
             body = Health(status=self.status, detail=self.error)
         else:
             body = Health(status=self.status, model=engine.name, compute=engine.compute, detail=self.error,
-                          compute_choice=engine.compute_choice)
+                          compute_choice=engine.compute_choice, prefix_cache=self._prefix_cache_health())
         return body, self.status == "ok" and self.scheduler is not None and self.scheduler.running
+
+    def _prefix_cache_health(self) -> PrefixCacheHealth | None:
+        if self.prefix_cache is None:
+            return None
+        s = self.prefix_cache.stats()
+        return PrefixCacheHealth(block_tokens=s.block_tokens, budget_bytes=s.budget_bytes, used_bytes=s.used_bytes,
+                                 blocks=s.blocks)
 
     def begin_stop(self, timeout: float) -> threading.Thread:
         """Start stopping, once, in a thread of its own: called as soon as the server begins to shut down, so the

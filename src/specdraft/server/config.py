@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from specdraft.core.config import StageConfig
 from specdraft.core.wire import DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from specdraft.quant.compute_choice import ComputeSetting
 from specdraft.quant.linear import Int4Prefill
+
+# The prefix cache's default budget: this share of the memory available when the server starts, at most the cap
+# (a draft's KV is small; the lanes, the model and the rest of the machine keep the remainder)
+PREFIX_CACHE_SHARE = 0.125
+PREFIX_CACHE_MAX_MB = 1024
+PREFIX_CACHE_FALLBACK_MB = 256  # where the available memory cannot be read (no /proc/meminfo)
 
 
 class ServeConfig(StageConfig):
@@ -77,3 +85,33 @@ class ServeConfig(StageConfig):
                                                               "still be answered before the rest get 503 and the "
                                                               "server exits")
     model_name: str | None = Field(None, description="name returned in responses (default: the model dir's name)")
+    prefix_cache_mb: int | None = Field(
+        None, ge=0, description="memory budget of the prefix cache, in MiB: the keys and values of recent contexts, "
+                                "in whole blocks, so a request that extends an earlier context (a speculation loop) "
+                                "computes only what is new; least recently used blocks go first (default: 1/8 of "
+                                "the memory available at start, at most 1024; 0: no cache, every context "
+                                "prefilled whole)")
+    prefix_block_tokens: int = Field(
+        32, ge=1, le=512, description="with the prefix cache: contexts are prefilled in blocks of this many tokens "
+                                      "and reused in whole blocks (smaller: less recomputed after a hit, more "
+                                      "model calls on a miss)")
+
+    def prefix_cache_bytes(self) -> int:
+        """The prefix cache's budget: --prefix-cache-mb, or by default a share of the memory available now."""
+        if self.prefix_cache_mb is not None:
+            return self.prefix_cache_mb << 20
+        available = _available_bytes()
+        if available is None:
+            return PREFIX_CACHE_FALLBACK_MB << 20
+        return min(int(available * PREFIX_CACHE_SHARE), PREFIX_CACHE_MAX_MB << 20)
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

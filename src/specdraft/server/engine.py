@@ -3,8 +3,10 @@
 Loading is ``model.loader.load_draft``; the compute formats are ``quant.linear``'s. A ``SlotLane`` is a
 ``model.slot_engine.SlotDecoder`` over the draft whose rows are keyed by request: every row attends to its own
 columns only and the int4 kernel computes rows independently, so a request gets the tokens it gets alone, whoever
-shares its iteration -- a sampled request too, drawing from its own seeded generator. The server adds the lean
-decode forward (``model.lean``, built at load) and hands freed memory back to the OS (``heap_trimmer``).
+shares its iteration -- a sampled request too, drawing from its own seeded generator. With a prefix cache
+(``model.prefix_cache``, one for both lanes) a lane prefills in blocks and copies in the cached prefix of a context:
+the same bits with or without a hit. The server adds the lean decode forward (``model.lean``, built at load) and
+hands freed memory back to the OS (``heap_trimmer``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from specdraft.model.decode import draft_batch, draft_rows
 from specdraft.model.generation import DraftSampling, Generation, RowSampler
 from specdraft.model.lean import lean_forward, lean_unsupported
 from specdraft.model.loader import load_draft
+from specdraft.model.prefix_cache import PrefixCache
 from specdraft.model.slot_engine import SlotDecoder
 from specdraft.model.specs import text_config
 from specdraft.quant.compute_choice import SERVE_WORKLOAD, ComputeSetting
@@ -45,8 +48,9 @@ class DraftEngine(Protocol):
     vocab_size: int
     max_positions: int | None  # the model's positions (None: its config does not say)
 
-    def lane(self, slots: int, capacity: int, num_draft: int) -> Lane:
-        """``slots`` rows decoding together, each holding ``capacity`` tokens (context + ``num_draft``)."""
+    def lane(self, slots: int, capacity: int, num_draft: int, prefix_cache: PrefixCache | None = None) -> Lane:
+        """``slots`` rows decoding together, each holding ``capacity`` tokens (context + ``num_draft``), reusing
+        the blocks ``prefix_cache`` holds (None: every context prefilled whole)."""
 
 
 @dataclass
@@ -72,8 +76,8 @@ class Engine:
         """Drafts with per-row settings and probabilities, as the server's lanes decode them."""
         return draft_rows(self.model, contexts, num_tokens, sampling, lean=self.lean)
 
-    def lane(self, slots: int, capacity: int, num_draft: int) -> "SlotLane":
-        return SlotLane(self.model, slots, capacity, num_draft, lean=self.lean)
+    def lane(self, slots: int, capacity: int, num_draft: int, prefix_cache: PrefixCache | None = None) -> "SlotLane":
+        return SlotLane(self.model, slots, capacity, num_draft, lean=self.lean, prefix_cache=prefix_cache)
 
     def bytes_per_token(self) -> int:
         """Weight bytes one decode step reads at batch 1 (linear layers; the embedding row is negligible)."""
@@ -83,13 +87,19 @@ class Engine:
 class SlotLane:
     """Rows of one KV cache (``SlotDecoder``, exact rows), keyed by the scheduler's request keys."""
 
-    def __init__(self, model: nn.Module, slots: int, capacity: int, num_draft: int, lean: bool = True):
-        self.decoder = SlotDecoder(model, slots, capacity, num_draft, eos=set(), lean=lean, row_attention=True)
+    def __init__(self, model: nn.Module, slots: int, capacity: int, num_draft: int, lean: bool = True,
+                 prefix_cache: PrefixCache | None = None):
+        self.decoder = SlotDecoder(model, slots, capacity, num_draft, eos=set(), lean=lean, row_attention=True,
+                                   prefix_cache=prefix_cache)
         self.slots, self.capacity = slots, capacity
+        self.block_tokens = 0 if prefix_cache is None else prefix_cache.block_tokens
 
     @property
     def free(self) -> int:
         return self.decoder.free
+
+    def cached(self, context: Sequence[int]) -> int:
+        return self.decoder.reusable(context)
 
     def _drafts(self, finished: list[tuple[int, Generation]]) -> dict[int, Draft]:
         d = self.decoder

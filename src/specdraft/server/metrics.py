@@ -2,14 +2,21 @@
 
 Requests by route and status and their latency; what became of each draft request (answered, timed out,
 cancelled by its client, refused for overload, a full queue or shutdown, failed) and the work dropped for the
-abandoned ones; the scheduler's iterations (rows decoded together, prefill tokens, time); the queue; and the
-process itself (resident memory, CPU seconds, open files: prometheus_client's process collector).
+abandoned ones; the scheduler's iterations (rows decoded together, prefill tokens, time); the queue; the prefix
+cache (context tokens reused instead of computed, hits, evictions, its budget and use, read from the cache when
+scraped); and the process itself (resident memory, CPU seconds, open files: prometheus_client's process collector).
 """
 
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from specdraft.model.prefix_cache import PrefixCacheStats
 
 ROUTES = ("/draft", "/health", "/metrics", "/openapi.json")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -41,13 +48,20 @@ class ServerMetrics:
                                            "decode step of the live rows + budgeted prefill)",
                                            buckets=ITERATION_BUCKETS, registry=r)
         self.tokens = Counter("specdraft_draft_tokens", "draft tokens returned", registry=r)
-        self.context_tokens = Counter("specdraft_context_tokens", "context tokens prefilled", registry=r)
+        self.context_tokens = Counter("specdraft_context_tokens", "context tokens computed (prefilled); those copied "
+                                      "from the prefix cache instead: specdraft_context_tokens_reused", registry=r)
         self.failures = Counter("specdraft_iteration_failures", "scheduler iterations whose model call raised",
                                 registry=r)
         self.queue_depth = Gauge("specdraft_queue_depth", "requests waiting for the worker", registry=r)
         self.running = Gauge("specdraft_rows_running", "requests in the lanes (prefilling or decoding)", registry=r)
         self.ready = Gauge("specdraft_ready", "1 once the weights are loaded and the worker runs", registry=r)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        self._prefix_cache = PrefixCacheCollector()
+        r.register(self._prefix_cache)
+
+    def watch_prefix_cache(self, stats: Callable[[], PrefixCacheStats]) -> None:
+        """Scrape the prefix cache's counters and use from ``stats`` (until then: no cache, all zero)."""
+        self._prefix_cache.stats = stats
 
     # scheduler.Observer, called from the worker thread (prometheus_client metrics are thread-safe)
     def iteration(self, seconds: float, rows: int, prefill_tokens: int, ok: bool) -> None:
@@ -81,3 +95,27 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixCacheCollector(Collector):
+    """The prefix cache's figures, read from the cache at each scrape (it counts them itself, under its lock)."""
+
+    def __init__(self) -> None:
+        self.stats: Callable[[], PrefixCacheStats] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats() if self.stats is not None else None
+        value = (lambda name: getattr(s, name)) if s is not None else (lambda name: 0)
+        yield CounterMetricFamily("specdraft_context_tokens_reused", "context tokens copied from the prefix cache "
+                                  "instead of computed", value=value("reused_tokens"))
+        yield CounterMetricFamily("specdraft_prefix_cache_lookups", "prefills that looked for their context's "
+                                  "prefix in the cache", value=value("lookups"))
+        yield CounterMetricFamily("specdraft_prefix_cache_hits", "prefills that reused at least one cached block",
+                                  value=value("hits"))
+        yield CounterMetricFamily("specdraft_prefix_cache_evictions", "blocks evicted (least recently used first) "
+                                  "to stay within the budget", value=value("evicted_blocks"))
+        yield GaugeMetricFamily("specdraft_prefix_cache_budget_bytes", "the prefix cache's budget (0: no cache)",
+                                value=value("budget_bytes"))
+        yield GaugeMetricFamily("specdraft_prefix_cache_bytes", "bytes of KV the prefix cache holds",
+                                value=value("used_bytes"))
+        yield GaugeMetricFamily("specdraft_prefix_cache_blocks", "blocks the prefix cache holds", value=value("blocks"))

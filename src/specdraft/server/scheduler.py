@@ -19,6 +19,12 @@ taking requests, lets the running ones finish until its timeout, fails the rest,
 The model side is two ``Lane`` objects (``server.engine.SlotLane``: a ``SlotDecoder`` keyed by request). Each
 request carries its own ``DraftSampling`` (greedy, or sampled with its own seeded generator, with or without
 probabilities) into its row, so requests with different settings share a batch.
+
+With a prefix cache (``model.prefix_cache``, shared by both lanes) a lane copies in the cached blocks of a context's
+prefix and computes the rest in blocks. The scheduler then counts only the tokens still to compute: in its
+admission estimates (what the lane would reuse when the request arrives), in the prefill budget, in the
+measured cost per token, and in a long context's progress (its first piece starts after the reused prefix, and
+its pieces are whole blocks).
 """
 
 from __future__ import annotations
@@ -86,9 +92,16 @@ class Lane(Protocol):
 
     slots: int
     capacity: int  # longest context + draft tokens it can hold
+    # 0: contexts prefilled whole, nothing reused; else prefills run in blocks of this many tokens (a long context's
+    # pieces must be whole blocks) and the cached blocks of a context's prefix are copied in
+    block_tokens: int
 
     @property
     def free(self) -> int: ...
+
+    def cached(self, context: Sequence[int]) -> int:
+        """Tokens of ``context`` a prefill would copy in now instead of computing (0 without a prefix cache).
+        Thread-safe: the HTTP side asks it for the admission estimate."""
 
     def admit(self, keys: Sequence[int], contexts: Sequence[Sequence[int]],
               sampling: Sequence[DraftSampling]) -> dict[int, Draft]:
@@ -97,7 +110,8 @@ class Lane(Protocol):
 
     def prefill_chunk(self, key: int, context: Sequence[int], start: int, size: int,
                       sampling: DraftSampling) -> dict[int, Draft]:
-        """Prefill one piece of a long context; on its last piece, the row's first token (else nothing)."""
+        """Prefill one piece of a long context (the first starts at ``cached(context)``: that prefix is copied in);
+        on its last piece, the row's first token (else nothing)."""
 
     def step(self) -> dict[int, Draft]:
         """One token for every live row; each stepped row's draft so far."""
@@ -125,7 +139,8 @@ class Request:
     sampling: DraftSampling = PLAIN
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.monotonic)
-    prefilled: int = 0  # context tokens prefilled so far (a long context goes in pieces)
+    prefilled: int = 0  # context tokens prefilled (or copied in) so far (a long context goes in pieces)
+    cached: int = 0  # context tokens its lane would copy in when it arrived: what admission estimates leave out
     running: bool = False  # in a lane (prefilling or decoding)
     outcome: str | None = None  # set once it leaves: answered, timed_out, cancelled, failed, ...
 
@@ -174,11 +189,16 @@ class Load:
     @staticmethod
     def of(waiting: dict[str, deque], running, chunked: Request | None) -> "Load":
         running = list(running)
-        return Load(short_waiting=len(waiting["short"]), short_tokens=sum(len(r.context) for r in waiting["short"]),
+        return Load(short_waiting=len(waiting["short"]), short_tokens=sum(map(to_compute, waiting["short"])),
                     short_running=sum(not r.long for r in running), long_waiting=len(waiting["long"]),
-                    long_tokens=sum(len(r.context) for r in waiting["long"])
+                    long_tokens=sum(map(to_compute, waiting["long"]))
                     + (len(chunked.context) - chunked.prefilled if chunked else 0),
                     long_running=sum(r.long for r in running))
+
+
+def to_compute(r: Request) -> int:
+    """Context tokens a waiting request still needs computed, as estimated when it arrived."""
+    return len(r.context) - r.cached
 
 
 class Scheduler:
@@ -236,11 +256,13 @@ class Scheduler:
             if queued >= self.max_queue:
                 raise QueueFullError(f"request queue is full ({queued} waiting)")
             long = len(context) > self.long_context_tokens
-            estimate = self._estimate(len(context), num_tokens, long)
+            cached = (self.long if long and self.long is not None else self.short).cached(context)
+            estimate = self._estimate(len(context) - cached, num_tokens, long)
             if estimate is not None and estimate > timeout_s:
                 raise Overloaded(f"the work ahead would take about {estimate:.1f}s, past this request's "
                                  f"{timeout_s:g}s deadline", retry_after=estimate - timeout_s)
-            request = Request(next(self._keys), list(context), int(num_tokens), now + timeout_s, long, sampling)
+            request = Request(next(self._keys), list(context), int(num_tokens), now + timeout_s, long, sampling,
+                              cached=cached)
             self._inbox.append(request)
             self._lock.notify()
         return request
@@ -263,18 +285,18 @@ class Scheduler:
     # ----------------------------------------------------------------------------------------- estimates
 
     def _estimate(self, context_tokens: int, num_tokens: int, long: bool) -> float | None:
-        """Seconds until a new request would be answered, from the running costs and the work queued ahead of
-        it (called with the lock held); None until the costs have been measured."""
+        """Seconds until a new request with ``context_tokens`` to compute would be answered, from the running costs
+        and the work queued ahead of it (called with the lock held); None until the costs have been measured."""
         c, load = self.costs, self._load
         if c.iteration is None:
             return None
         inbox = [r for r in self._inbox if r.long == long]
         if long:
-            ahead = load.long_tokens + sum(len(r.context) for r in inbox) + context_tokens
+            ahead = load.long_tokens + sum(map(to_compute, inbox)) + context_tokens
             busy = load.short_waiting + load.short_running + sum(not r.long for r in self._inbox) > 0
             return self._long_seconds(ahead, num_tokens, busy)
         else:
-            ahead = load.short_tokens + sum(len(r.context) for r in inbox) + context_tokens
+            ahead = load.short_tokens + sum(map(to_compute, inbox)) + context_tokens
             rows = load.short_waiting + load.short_running + len(inbox) + 1
             wait_for_slots = max(0, rows - self.short.slots) / self.short.slots * self.num_draft
             iterations = max(ahead / self.prefill_tokens, wait_for_slots) + num_tokens
@@ -426,17 +448,19 @@ class Scheduler:
                 r.future.set_result(drafts[key].head(r.num_tokens))
 
     def _admit_short(self) -> int:
-        """Prefill waiting short contexts, whole, within the iteration's budget: those of one length together
-        (a row then gets exactly what it gets alone)."""
+        """Prefill waiting short contexts, whole, within the iteration's budget of tokens to compute: those of one
+        length together (a row then gets exactly what it gets alone); with a prefix cache one at a time, each
+        costed at what its lane copies in now. Returns the context tokens computed."""
         waiting, budget, spent = self._waiting["short"], self.prefill_tokens, 0
         while waiting and self.short.free:
             head = waiting[0]
             width = len(head.context)
-            if spent and spent + width > budget:
+            reused = self.short.cached(head.context)
+            if spent and spent + width - reused > budget:
                 break
             group = [waiting.popleft()]
-            while (waiting and len(group) < self.short.free and len(waiting[0].context) == width
-                   and spent + width * (len(group) + 1) <= budget):
+            while (not self.short.block_tokens and waiting and len(group) < self.short.free
+                   and len(waiting[0].context) == width and spent + width * (len(group) + 1) <= budget):
                 group.append(waiting.popleft())
             now = time.monotonic()
             if self.observer is not None:
@@ -446,22 +470,26 @@ class Scheduler:
                 self._running[r.key] = r
                 self.computed_keys.append(r.key)
             self._publish_load()
+            computed = (width - reused) * len(group)
             started = time.perf_counter()
             tokens = self.short.admit([r.key for r in group], [r.context for r in group], [r.sampling for r in group])
-            self._measure_prefill(width * len(group), time.perf_counter() - started, long=False)
-            spent += width * len(group)
+            self._measure_prefill(computed, time.perf_counter() - started, long=False)
+            spent += computed
             self._answer(self.short, tokens)
         return spent
 
     def _prefill_long(self, busy: bool) -> int:
-        """One chunk of the long context being prefilled (starting the next one when the lane has room)."""
+        """One chunk of the long context being prefilled (starting the next one when the lane has room); with a
+        prefix cache its first chunk starts after what the lane copies in, and every chunk is whole blocks."""
         if self._chunked is None:
             waiting = self._waiting["long"]
             while waiting and self.long.free:
                 # one that can no longer finish by its deadline is dropped before any of it is computed
-                seconds = self._long_seconds(len(waiting[0].context), waiting[0].num_tokens, busy)
+                head = waiting[0]
+                seconds = self._long_seconds(len(head.context) - self.long.cached(head.context), head.num_tokens,
+                                             busy)
                 now = time.monotonic()
-                if seconds is None or now + seconds <= waiting[0].deadline:
+                if seconds is None or now + seconds <= head.deadline:
                     break
                 late = waiting.popleft()
                 late.outcome = TIMED_OUT
@@ -469,7 +497,7 @@ class Scheduler:
             if not waiting or not self.long.free:
                 return 0
             r = waiting.popleft()
-            r.running = True
+            r.running, r.prefilled = True, self.long.cached(r.context)
             self._running[r.key] = r
             self._chunked = r
             self.computed_keys.append(r.key)
@@ -477,7 +505,8 @@ class Scheduler:
                 self.observer.admitted([time.monotonic() - r.enqueued])
             self._publish_load()
         r = self._chunked
-        size = min(self._chunk_size(busy), len(r.context) - r.prefilled)
+        size = whole_blocks(self._chunk_size(busy), self.long.block_tokens)
+        size = min(size, len(r.context) - r.prefilled)
         started = time.perf_counter()
         tokens = self.long.prefill_chunk(r.key, r.context, r.prefilled, size, r.sampling)
         self._measure_prefill(size, time.perf_counter() - started, long=True)
@@ -521,6 +550,11 @@ class Scheduler:
             if not r.future.done():
                 r.outcome = r.outcome or outcome
                 r.future.set_exception(error)
+
+
+def whole_blocks(tokens: int, block: int) -> int:
+    """``tokens`` rounded up to whole blocks of ``block`` tokens (as it is when ``block`` is 0: no blocks)."""
+    return -(-tokens // block) * block if block else tokens
 
 
 def retry_after_header(seconds: float) -> str:

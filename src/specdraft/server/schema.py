@@ -87,6 +87,13 @@ class ErrorResponse(BaseModel):
     details: list[ErrorDetail] = Field(default_factory=list)
 
 
+class PrefixCacheHealth(BaseModel):
+    block_tokens: int = Field(description="contexts are prefilled, cached and reused in blocks of this many tokens")
+    budget_bytes: int = Field(description="the most bytes of keys and values it keeps (--prefix-cache-mb)")
+    used_bytes: int = Field(description="bytes of keys and values it holds now")
+    blocks: int = Field(description="blocks it holds now")
+
+
 class Health(BaseModel):
     status: Literal["ok", "loading", "failed", "stopping"]
     model: str | None = None
@@ -95,6 +102,9 @@ class Health(BaseModel):
     compute_choice: dict[str, Any] | None = Field(
         None, description="the compute format served and why: given (--compute X), or measured at load (auto: each "
                           "candidate's estimated seconds per request for the server's work, and the CPU's features)")
+    prefix_cache: PrefixCacheHealth | None = Field(
+        None, description="the prefix cache's budget and use; null when it is off (--prefix-cache-mb 0) or the "
+                          "draft is not loaded yet")
 
 
 def draft_request_model(vocab_size: int, max_context: int, num_draft: int) -> type[BaseModel]:
