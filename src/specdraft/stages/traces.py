@@ -20,7 +20,8 @@ Backends are ``model.trace_backend.TraceBackend``s, used only through what that 
 (``HFBackend``) runs ``model.decode.iter_greedy`` (continuous batching over a static KV cache, prompts longest
 first) on CPU or GPU; ``vllm`` (``model.trace_vllm.VLLMBackend``) hands token ids to ``vllm.LLM.generate``
 (imported only then) for GPUs, with tensor parallelism inside one process and data parallelism as
-``--shard i/n``. A backend the stage builds it closes when decoding ends.
+``--shard i/n``; ``llama.cpp`` (``model.trace_llamacpp.LlamaCppBackend``) decodes the target's GGUF file as
+llama.cpp computes it, many prompts at once (CPU). A backend the stage builds it closes when decoding ends.
 
 merge-traces  the shards of one traces run (``--shard i/n``, one process or job each) -> one traces.jsonl in the
             prompts file's order, the rows a single run writes (a single run's file lists them as they finish);
@@ -79,12 +80,13 @@ from specdraft.model.chat import encode_prompts, has_chat_template
 from specdraft.model.device import DEVICE_HELP
 from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_tokenizer, tokenizer_fingerprint
 from specdraft.model.trace_backend import HFBackend, TraceBackend
+from specdraft.model.trace_llamacpp import LlamaCppBackend, target_gguf
 from specdraft.model.trace_vllm import VLLMBackend
 
 log = logging.getLogger(__name__)
 
 
-Backend = Literal["hf", "vllm"]
+Backend = Literal["hf", "vllm", "llama.cpp"]
 FINISH_REASONS = ("eos", "length")
 # stored log-probabilities are rounded: 1e-4 nats is far below what a draft's training resolves, and each
 # position's K values are most of a row's bytes
@@ -95,9 +97,12 @@ LOGPROB_DECIMALS = 4
 
 class _DecodeFields(StageConfig):
     target: str = Field(DEFAULT_TARGET, description="target model spec (local dir | hub:ORG/NAME@REV | embedded:NAME)")
-    batch_size: int = Field(32, ge=1, description="hf backend: rows decoded together (finished rows are "
-                                                  "replaced by waiting prompts)")
-    backend: Backend = Field("hf", description="hf: specdraft's decode loop (CPU or GPU); vllm: vllm.LLM (GPU)")
+    batch_size: int = Field(32, ge=1, description="hf and llama.cpp backends: rows (llama.cpp: sequences) decoded "
+                                                  "together (finished rows are replaced by waiting prompts)")
+    backend: Backend = Field("hf", description="hf: specdraft's decode loop (CPU or GPU), the float32 model; vllm: "
+                                               "vllm.LLM (GPU); llama.cpp: the target's GGUF file as llama.cpp "
+                                               "computes it (CPU; pip install 'specdraft[llama]')")
+    threads: int = Field(0, ge=0, description="llama.cpp backend: CPU threads (0: one per core)")
     device: str = Field("auto", description=f"hf backend: {DEVICE_HELP}")
     limit: int | None = Field(None, ge=1, description="take only the first N prompts of the file")
     tensor_parallel_size: int = Field(1, ge=1, description="vllm backend: GPUs per model (tensor parallel)")
@@ -116,13 +121,13 @@ class TracesConfig(_DecodeFields):
     top_logprobs: int = Field(0, ge=0, le=64, description="keep the target's K most likely tokens and their "
                                                           "log-probabilities at every completion position (fields "
                                                           "top_ids, top_logprobs; `train --kd-stored` distils from "
-                                                          "them); 0: tokens only. hf backend")
+                                                          "them); 0: tokens only. hf and llama.cpp backends")
 
     @model_validator(mode="after")
     def _top_logprobs_backend(self) -> "TracesConfig":
-        if self.top_logprobs and self.backend != "hf":
-            raise ValueError("top_logprobs: the hf backend only (vLLM's per-token logprobs are not wired into "
-                             "the records yet)")
+        if self.top_logprobs and self.backend == "vllm":
+            raise ValueError("top_logprobs: the hf and llama.cpp backends only (vLLM's per-token logprobs are not "
+                             "wired into the records yet)")
         return self
 
     @field_validator("shard")
@@ -168,7 +173,16 @@ def parse_shard(text: str) -> tuple[int, int]:
 def make_backend(cfg: _DecodeFields) -> TraceBackend:
     if cfg.backend == "vllm":
         return VLLMBackend(cfg.target, cfg.tensor_parallel_size, cfg.vllm_chunk)
+    if cfg.backend == "llama.cpp":
+        return LlamaCppBackend(target_gguf(cfg.target), sequences=cfg.batch_size, threads=cfg.threads or None)
     return HFBackend(cfg.target, cfg.device, cfg.batch_size)
+
+
+def engine_key(cfg: _DecodeFields) -> dict[str, Any]:
+    """What the resume key adds for the engine: llama.cpp's continuations are another model's (the GGUF file, whose
+    sha256 the target record holds, as llama.cpp computes it) than hf's and vllm's float32 ones, so their rows never
+    mix; hf and vllm keep the key they had."""
+    return {"engine": "llama.cpp"} if cfg.backend == "llama.cpp" else {}
 
 
 @contextlib.contextmanager
@@ -218,7 +232,7 @@ def _run_traces(cfg: TracesConfig, out: Path, summary_path: Path, log_path: Path
     template = has_chat_template(tokenizer)
     if not template:
         log.warning("target %s has no chat template: prompts are tokenized raw", cfg.target)
-    key = resume_key(target, cfg, template, {"tokenizer": tokenizer_fingerprint(tokenizer)})
+    key = resume_key(target, cfg, template, {"tokenizer": tokenizer_fingerprint(tokenizer), **engine_key(cfg)})
     check_resume(summary_path, out, key, len(done))
     todo = [r for r in records if r.id not in done]
     log.info("traces: %d prompts in %s, %d selected (limit %s, shard %s), %d already in %s, %d to decode",
@@ -349,7 +363,7 @@ def _run_validation(cfg: ValidationConfig, out: Path, summary_path: Path, log_pa
     if not template:
         log.warning("target %s has no chat template: prompts are tokenized raw", cfg.target)
     key = resume_key(target, cfg, template, {"num_draft": cfg.num_draft,
-                                              "tokenizer": tokenizer_fingerprint(tokenizer)})
+                                              "tokenizer": tokenizer_fingerprint(tokenizer), **engine_key(cfg)})
     check_resume(summary_path, out, key, len(done))
     # Prompts whose continuation is too short for one point write no line: remember them, or every rerun
     # would decode them again.
@@ -417,7 +431,7 @@ def _decode_points(cfg: ValidationConfig, out: Path, summary_path: Path, todo: l
 # ------------------------------------------------------------------------------------------ merge-traces
 
 # Settings that change only how fast a shard ran, not its rows: shards may differ in them.
-THROUGHPUT_FIELDS = ("batch_size", "device", "tensor_parallel_size", "vllm_chunk")
+THROUGHPUT_FIELDS = ("batch_size", "device", "tensor_parallel_size", "vllm_chunk", "threads")
 # Settings that differ between the shards of one run by construction.
 PER_SHARD_FIELDS = ("shard", "out", "prompts")
 

@@ -1,0 +1,154 @@
+"""`specdraft traces` backends side by side: hf (specdraft's decode loop, the float32 model transformers dequantises
+from the embedded target's GGUF file) against llama.cpp (that GGUF file as llama.cpp computes it, several sequences
+per ``llama_decode``), on the same prompts, and how often their greedy tokens agree.
+
+    .venv/bin/python bench/bench_trace_backends.py               # the defaults: 1 thread (about 10 minutes)
+    .venv/bin/python bench/bench_trace_backends.py --threads 1,2 # and a 2-thread block (idle cores only)
+    .venv/bin/python bench/bench_trace_backends.py --threads 1 --repeats 3 --sequences 4,16,64
+
+Prompts: the first --num-prompts of a seeded shuffle of the packaged corpus's training prompts, chat-templated as
+the traces stage does. Every configuration (hf at --hf-batch-size, the traces stage's default; llama.cpp at each of
+--sequences) decodes all of them greedily to --max-new-tokens, the same engine threads for both (torch threads for
+hf, llama.cpp threads), --repeats times, the configurations interleaved so that each sees the same machine load;
+the model loads are outside the clocks. Reported per configuration: completion tokens per CPU-second (process CPU
+time, every thread's) and per wall second, the median of the repeats. Agreement: each llama.cpp run's tokens
+against the hf run's, prompt by prompt (identical rows, the first position where they part, the share of hf's
+tokens before it); and every llama.cpp run against the first (one engine, any sequence count: identical). The result
+goes to ``bench/results/trace_backends.<cpu class>.json`` and to --out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from typing import Any, Callable
+
+import torch
+
+from harness import add_out_argument, argument_parser, command, median, percentile, save_result, stopwatch
+from specdraft.data.corpus import corpus_dir
+from specdraft.model.chat import encode_prompts
+from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_tokenizer
+from specdraft.model.trace_backend import HFBackend, TraceBackend
+from specdraft.model.trace_llamacpp import LlamaCppBackend, target_gguf
+from specdraft.stages.traces import TracesConfig
+
+
+def corpus_prompts(n: int, seed: int) -> list[str]:
+    texts = [json.loads(line)["prompt"] for path in sorted((corpus_dir() / "train").glob("*.jsonl"))
+             for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    random.Random(seed).shuffle(texts)
+    return texts[:n]
+
+
+def decode(make: Callable[[], TraceBackend], prompts: list[list[int]], max_new: int) -> tuple[dict, Any]:
+    """Every prompt's tokens through a fresh backend (built and closed outside the clocks), and the lap."""
+    with make() as backend:
+        with stopwatch() as lap:
+            rows = {i: g.tokens for i, g in backend.generate(prompts, max_new)}
+    return rows, lap
+
+
+def agreement(reference: dict[int, list[int]], rows: dict[int, list[int]]) -> dict[str, Any]:
+    """Prompt by prompt: identical rows, where the tokens first part, and the share of the reference's tokens
+    before that."""
+    first = [next((k for k, (a, b) in enumerate(zip(reference[i], rows[i])) if a != b),
+                  min(len(reference[i]), len(rows[i]))) for i in sorted(reference)]
+    identical = sum(reference[i] == rows[i] for i in reference)
+    return {"prompts": len(reference), "identical_prompts": identical,
+            "identical_share": round(identical / len(reference), 3),
+            "tokens_before_first_difference_share": round(sum(first) / sum(map(len, reference.values())), 3),
+            "first_difference": {"min": min(first), "p25": percentile(first, 25), "median": percentile(first, 50),
+                                 "p75": percentile(first, 75),
+                                 "first_token_differs": sum(1 for k in first if k == 0)}}
+
+
+def summarise(name: str, setting: dict[str, Any], laps: list, rows: dict[int, list[int]]) -> dict[str, Any]:
+    tokens = sum(map(len, rows.values()))
+    return {"backend": name, **setting, "new_tokens": tokens, "wall_s": [round(lap.wall, 2) for lap in laps],
+            "cpu_s": [round(lap.cpu, 2) for lap in laps],
+            "tokens_per_cpu_s": round(tokens / median([lap.cpu for lap in laps]), 2),
+            "tokens_per_s": round(tokens / median([lap.wall for lap in laps]), 2)}
+
+
+def at_threads(threads: int, args, prompts: list[list[int]], gguf) -> dict[str, Any]:
+    """Every configuration at ``threads`` engine threads, the repeats interleaved."""
+    torch.set_num_threads(threads)
+    plan: list[tuple[str, dict[str, Any], Callable[[], TraceBackend]]] = [
+        ("hf", {"batch_size": args.hf_batch_size}, lambda: HFBackend(DEFAULT_TARGET, "cpu", args.hf_batch_size))]
+    plan += [("llama.cpp", {"sequences": s}, lambda s=s: LlamaCppBackend(gguf, sequences=s, threads=threads))
+             for s in args.sequences]
+    for _, _, make in plan:  # warm each engine (allocations, thread pools) before any clock
+        decode(make, prompts[:2], 4)
+    laps: list[list] = [[] for _ in plan]
+    rows: list[dict] = [{} for _ in plan]
+    for repeat in range(args.repeats):
+        for k, (name, setting, make) in enumerate(plan):
+            got, lap = decode(make, prompts, args.max_new_tokens)
+            if repeat and got != rows[k]:
+                raise RuntimeError(f"{name} {setting}: repeat {repeat} decoded other tokens than the first")
+            rows[k] = got
+            laps[k].append(lap)
+            print(f"  threads {threads}, {name} {setting}, repeat {repeat}: {sum(map(len, got.values()))} tokens "
+                  f"in {lap.wall:.1f} s wall, {lap.cpu:.1f} CPU s", flush=True)
+    runs = [summarise(name, setting, laps[k], rows[k]) for k, (name, setting, _) in enumerate(plan)]
+    for k, run in enumerate(runs[1:], 1):
+        run["vs_hf"] = agreement(rows[0], rows[k])
+        run["identical_to_first_llama_cpp_run"] = rows[k] == rows[1]
+    best = max(runs[1:], key=lambda r: r["tokens_per_cpu_s"])
+    return {"threads": threads, "runs": runs,
+            "best_llama_cpp_by_cpu_time": {"sequences": best["sequences"], "tokens_per_cpu_s": best["tokens_per_cpu_s"],
+                                           "vs_hf": round(best["tokens_per_cpu_s"] / runs[0]["tokens_per_cpu_s"], 2)}}
+
+
+def print_table(block: dict[str, Any]) -> None:
+    print(f"\nthreads {block['threads']}\n| backend | batch / sequences | new tokens | tokens/CPU-s | tokens/s "
+          "| identical prompts vs hf | hf tokens before the first difference |\n|---|---:|---:|---:|---:|---:|---:|")
+    for r in block["runs"]:
+        vs = r.get("vs_hf")
+        print(f"| {r['backend']} | {r.get('batch_size', r.get('sequences'))} | {r['new_tokens']} | "
+              f"{r['tokens_per_cpu_s']} | {r['tokens_per_s']} | "
+              + (f"{vs['identical_prompts']}/{vs['prompts']} | {vs['tokens_before_first_difference_share']} |"
+                 if vs else "(reference) | |"))
+
+
+def main(argv=None) -> int:
+    p = argument_parser(__doc__)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--hf-batch-size", type=int, default=TracesConfig.model_fields["batch_size"].default,
+                   help="hf: rows decoded together (default: the traces stage's)")
+    p.add_argument("--sequences", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32],
+                   help="llama.cpp: comma-separated sequence counts")
+    p.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                   help="comma-separated engine thread counts, each a block of its own")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    add_out_argument(p, "bench_trace_backends.json")
+    args = p.parse_args(argv)
+    print(f"command: {command()}", flush=True)
+    tokenizer, gguf = load_tokenizer(DEFAULT_TARGET), target_gguf(DEFAULT_TARGET)
+    prompts = encode_prompts(tokenizer, corpus_prompts(args.num_prompts, args.seed))
+    lengths = sorted(map(len, prompts))
+    print(f"{len(prompts)} prompts, prompt tokens min {lengths[0]} median {lengths[len(lengths) // 2]} max "
+          f"{lengths[-1]}; max_new_tokens {args.max_new_tokens}; {args.repeats} repeats", flush=True)
+    load_before = os.getloadavg()
+    blocks = [at_threads(t, args, prompts, gguf) for t in args.threads]
+    for block in blocks:
+        print_table(block)
+    with LlamaCppBackend(gguf, sequences=1) as backend:
+        engine = {k: v for k, v in backend.info().items() if k in ("llama_cpp_python", "gguf", "gguf_sha256",
+                                                                     "computes", "batch_tokens", "flash_attn")}
+    save_result("trace_backends", {
+        "target": describe_source(DEFAULT_TARGET), "llama_cpp": engine, "num_prompts": len(prompts),
+        "prompt_tokens": {"min": lengths[0], "median": lengths[len(lengths) // 2], "max": lengths[-1],
+                          "total": sum(lengths)},
+        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "cpu_count": os.cpu_count(),
+        "load_average": {"before": load_before, "after": os.getloadavg()}, "by_threads": blocks}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
