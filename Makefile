@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed
 LLAMA   := $(VENV)/.installed-llama
 BUDGET  ?= small
 
-.PHONY: install install-llama demo test test-fast clean
+.PHONY: install install-llama demo test test-all test-fast clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,7 +43,12 @@ AVX2_EMULATION := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_IN
 AVX2_TESTS := tests/server tests/stages/test_evaluate.py tests/drafting/test_remote_backpressure.py \
               tests/quant/test_compute_choice.py tests/quant/test_linear.py
 
+# every test but the reference rehearsal (`specdraft rehearse` end to end, minutes on its own: `make test-all`)
 test: $(LLAMA)
+	$(BIN)/python -m pytest -q --timeout=900 -m "not rehearsal"
+	$(AVX2_EMULATION) $(BIN)/python -m pytest -q --timeout=900 -p no:cacheprovider $(AVX2_TESTS)
+
+test-all: $(LLAMA)
 	$(BIN)/python -m pytest -q --timeout=900
 	$(AVX2_EMULATION) $(BIN)/python -m pytest -q --timeout=900 -p no:cacheprovider $(AVX2_TESTS)
 

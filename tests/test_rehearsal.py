@@ -19,7 +19,7 @@ needs_qwen3_tokenizer = pytest.mark.skipif(not (TOKENIZER / "tokenizer.json").is
 # the demo's pipeline at the smallest size that still gives every stage something to do
 TINY_BUDGET = demo.Budget(trace_prompts=24, trace_tokens=24, draft_init="", epochs=1, lr=1e-3, freeze_layers=0,
                           val_prompts=6, val_tokens=32, spec_prompts=2, spec_tokens=16, spec_k=[4], spec_repeats=1,
-                          compile_drafts=False, predict=False)
+                          compile_drafts=False, predict=False, mt_bench_answer_tokens=32)
 
 
 def test_a_users_own_target_and_draft_dir_go_through_the_pipeline_and_the_audit(tmp_path):
@@ -66,6 +66,7 @@ def test_the_traces_check_fails_on_a_prompt_or_answer_out_of_shape(tmp_path, bro
 
 
 @pytest.mark.slow
+@pytest.mark.rehearsal
 @needs_qwen3_tokenizer
 def test_the_reference_rehearsal_passes_every_check(tmp_path):
     assert run_rehearsal(RehearseConfig(out=str(tmp_path / "rehearsal"), threads=2)) == 0
