@@ -12,6 +12,7 @@ import specdraft.demo as demo
 from specdraft.data.corpus import heldout_path
 from specdraft.demo import pipeline, steps
 from specdraft.demo.plan import Plan
+from specdraft.drafting.hybrid_rule import RulePoint, measure_rules
 from specdraft.drafting.spec import DrafterSpec
 from specdraft.model.compat import PipelineModels
 from specdraft.model.specs import DEFAULT_TARGET
@@ -61,6 +62,21 @@ LLAMA_REPORT = _speculate_report(
     full_precision={**_speculate_report({"self-4bit": (4, 0.58, [0.58, 0.59], 0.61, 1.0, 3.6)}, "llama.cpp",
                                         baseline=30.0), "target": {"gguf": "/x/run/SmolLM2.F32.gguf"}})
 
+# MT-bench's both turns: 4 questions, 2 points a turn each; turn 1's answers are new text (the draft accepts 3,
+# lookup has nothing), turn 2 restates turn 1 (lookup copies 10 of 16 at long matches, the draft 1)
+MT_POINTS = ([RulePoint(f"{q}-turn1", "turn1/writing", 100, 3, 0, 0) for q in range(4) for _ in range(2)]
+             + [RulePoint(f"{q}-turn2", "turn2/writing", 700, 1, 10, 20) for q in range(4) for _ in range(2)])
+MT_BENCH_FILES = {
+    "mt_bench/validation.summary.json": {"points": 16, "prompts": 8, "categories": {
+        "turn1/writing": {"turn": 1, "category": "writing", "points": 8},
+        "turn2/writing": {"turn": 2, "category": "writing", "points": 8}}},
+    "eval_mt_bench/trained/report.json": {
+        "drafter": "qd4:model", "mean_accepted_pooled": 2.0,
+        "per_category": {"turn1/writing": {"points": 8, "accepted_total": 24, "mean_accepted": 3.0},
+                         "turn2/writing": {"points": 8, "accepted_total": 8, "mean_accepted": 1.0}},
+        "hybrid_rule": measure_rules(MT_POINTS)},
+}
+
 STUB_FILES = {  # what the stubbed stages would write, with the fields the summary reads
     "prompts/prompts.stats.json": {"total": 2210, "corpora": {
         "specdraft-coding": {"read": 228, "dropped": {"near_duplicate": 2, "too_long": 0}},
@@ -79,6 +95,7 @@ STUB_FILES = {  # what the stubbed stages would write, with the fields the summa
     "model/architecture.json": {"bytes": 1000, "parameters": 10, "tensors": 3},
     "model_self/architecture.json": {"bytes": 2000, "parameters": 20, "tensors": 3},
     "speculate/speculate.json": _speculate_report(TORCH_ROWS),
+    **MT_BENCH_FILES,  # read where ../shared holds MT-bench (DemoConfig's default shared_data)
 }
 
 
@@ -180,12 +197,54 @@ def test_without_shared_data_the_demo_uses_the_packaged_corpus(tmp_path):
         assert run.manifest is None  # the built-in default: the packaged corpus
         path, kind = run.eval_set
         assert path == str(heldout_path()) and "held-out" in kind
+        assert run.mt_bench is None and run.prompts.eval_set == [str(heldout_path())]
     (tmp_path / "shared" / "dev").mkdir(parents=True)
     (tmp_path / "shared" / "dev" / "mt_bench.jsonl").write_text("{}\n")
     run = steps.Run(demo.DemoConfig(shared_data=str(tmp_path / "shared")), demo.BUDGETS["small"], tmp_path, "i", 0,
                     None)
-    assert run.eval_set == (str(tmp_path / "shared" / "dev" / "mt_bench.jsonl"), "MT-bench (../shared)")
+    # MT-bench is evaluated beside the packaged held-out set, and training prompts are decontaminated against both
+    mt_bench = tmp_path / "shared" / "dev" / "mt_bench.jsonl"
+    assert run.eval_set == (str(heldout_path()), "the packaged corpus's held-out families")
+    assert run.mt_bench == mt_bench and run.prompts.eval_set == [str(heldout_path()), str(mt_bench)]
     assert run.manifest == str(steps.SHARED_MANIFEST)
+
+
+def test_with_mt_bench_the_demo_evaluates_both_turns_and_summarises_them(tmp_path, monkeypatch):
+    """The MT-bench steps run where the shared data holds it (its path from DemoConfig.shared_data), never feed
+    training, and the summary renders both turns per category and context length from their records."""
+    shared = tmp_path / "shared"
+    (shared / "dev").mkdir(parents=True)
+    (shared / "dev" / "mt_bench.jsonl").write_text(json.dumps({"question_id": 1, "category": "writing",
+                                                               "turns": ["a", "b"]}) + "\n")
+    run, calls, stages = _stub_run(tmp_path, monkeypatch)
+    demo.run_demo(demo.DemoConfig(out=str(run), shared_data=str(shared)))
+    assert calls.index("mt_bench_points") < calls.index("train") < calls.index("pack") < calls.index(
+        "eval_mt_bench") < calls.index("speculate")
+    fingerprint = stages["eval_mt_bench"]["fingerprint"]
+    assert fingerprint["validation"] == str(run / "mt_bench" / "validation.jsonl")
+    assert fingerprint["model_dir"] == str(run / "model") and fingerprint["choose_hybrid_rule"]
+    assert {"train", "pack"} <= set(fingerprint)  # a new draft measures again
+    assert stages["mt_bench_points"]["fingerprint"]["mt_bench"] == str(shared / "dev" / "mt_bench.jsonl")
+    train = next(step for step in steps.STEPS if step.name == "train")
+    assert "mt_bench" not in train.inputs and stages["eval_trained"]["fingerprint"]["choose_hybrid_rule"]
+    text = (run / "demo_summary.md").read_text()
+    section = text[text.index("## MT-bench, both turns"):text.index("## Speed in")]
+    assert "16 points from 8 prompts" in section
+    assert "The trained draft over every point: 2.00 accepted of 16, turn 1 3.00, turn 2 1.00." in section
+    assert "**lookup where its match >= 1**" in section and "On the other 8 points" in section
+    assert "| turn 1 | 4 | 3.00 | 0.00 | 3.00 | 3.00 |" in section
+    assert "| turn 2 | 4 | 1.00 | 10.00 | 10.00 | 10.00 |" in section
+    assert "| turn2/writing | 4 | 1.00 | 10.00 | 10.00 | 10.00 |" in section
+    assert "| 256-1K | 4 | 1.00 | 10.00 | 10.00 | 10.00 |" in section
+    summary = json.loads((run / "demo_summary.json").read_text())
+    assert summary["mt_bench"]["hybrid_rule"]["chosen"]["min_match"] == 1
+
+    # without MT-bench: neither step runs, and the summary says why
+    run2, calls, _ = _stub_run(tmp_path / "none", monkeypatch)
+    demo.run_demo(demo.DemoConfig(out=str(run2), shared_data=None))
+    assert "mt_bench_points" not in calls and "eval_mt_bench" not in calls
+    text = (run2 / "demo_summary.md").read_text()
+    assert "Not measured in this run: no dev/mt_bench.jsonl in the shared data folder (none given)." in text
 
 
 def test_the_summary_says_what_the_draft_saw_and_what_its_numbers_mean(tmp_path, monkeypatch):

@@ -92,11 +92,11 @@ def run_rehearsal(cfg: RehearseConfig) -> int:
     started = time.time()
     with stage_log(run_dir / "rehearsal.log"):
         target, draft = _reference_models(cfg, run_dir / "reference")
-        # the packaged corpus and its held-out families, whatever ../shared holds: the target was fitted to
-        # answer their kinds of request
+        # the packaged corpus and its held-out families, whatever ../shared holds (its MT-bench too): the target
+        # was fitted to answer their kinds of request
         demo_exit = run_demo(DemoConfig(out=str(run_dir), target=str(target), draft_init=str(draft),
                                         manifest=str(MANIFEST_FILE), eval_set=str(heldout_path()),
-                                        device=cfg.device, threads=cfg.threads, audit=False),
+                                        shared_data=None, device=cfg.device, threads=cfg.threads, audit=False),
                              budget=REHEARSAL_BUDGET, budget_name="rehearsal")
         checks = [_check(f"demo pipeline (exit {demo_exit})", lambda: _row(demo_exit == 0, "selfcheck and every "
                                                                            "stage of `specdraft demo` finished"))]

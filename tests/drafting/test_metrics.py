@@ -55,3 +55,45 @@ def test_lookup_copies_latest_earlier_occurrence():
     assert lookup_draft(ctx, 3) == [7, 8, 5]
     assert lookup_draft([4, 5, 6], 3) == []
     assert LookupDrafter().draft([ctx, [1, 1]], 2) == [[7, 8], [1]]
+
+
+def test_per_category_and_context_length_are_exact_on_hand_made_points():
+    """A point on each side of every bucket edge; counts, sums and both means per group by hand; the overall
+    figures are those of the points without groups."""
+    from specdraft.drafting.metrics import CONTEXT_BUCKETS, context_bucket
+
+    assert [lower for _, lower in CONTEXT_BUCKETS] == [0, 256, 1024, 4096]
+    edges = {1: "<256", 255: "<256", 256: "256-1K", 1023: "256-1K", 1024: "1K-4K", 4095: "1K-4K", 4096: ">=4K",
+             100_000: ">=4K"}
+    assert {n: context_bucket(n) for n in edges} == edges
+    target = list(range(10, 14))
+    # (prompt, category, context tokens, accepted length)
+    cases = [("a", "x", 255, 4), ("a", "x", 256, 2), ("b", "x", 1023, 0), ("b", "y", 1024, 3),
+             ("c", "y", 4095, 1), ("c", "y", 4096, 4), ("d", "y", 10, 2)]
+    stats, plain = AcceptanceStats(k=4), AcceptanceStats(k=4)
+    for pid, cat, n, a in cases:
+        draft = target[:a] + [0] * (4 - a)
+        assert stats.add(draft, target, prompt_id=pid, category=cat, context_tokens=n) == a
+        plain.add(draft, target, prompt_id=pid, category=cat)
+    summary = stats.summary()
+    assert summary["per_category"] == {
+        "x": {"points": 3, "prompts": 2, "accepted_total": 6, "mean_accepted": 2.0,
+              "mean_accepted_per_prompt": ((4 + 2) / 2 + 0) / 2},
+        "y": {"points": 4, "prompts": 3, "accepted_total": 10, "mean_accepted": 2.5,
+              "mean_accepted_per_prompt": (3 + (1 + 4) / 2 + 2) / 3}}
+    assert summary["per_context_length"] == {
+        "<256": {"points": 2, "prompts": 2, "accepted_total": 6, "mean_accepted": 3.0,
+                 "mean_accepted_per_prompt": 3.0},
+        "256-1K": {"points": 2, "prompts": 2, "accepted_total": 2, "mean_accepted": 1.0,
+                   "mean_accepted_per_prompt": 1.0},
+        "1K-4K": {"points": 2, "prompts": 2, "accepted_total": 4, "mean_accepted": 2.0,
+                  "mean_accepted_per_prompt": 2.0},
+        ">=4K": {"points": 1, "prompts": 1, "accepted_total": 4, "mean_accepted": 4.0,
+                 "mean_accepted_per_prompt": 4.0}}
+    assert list(summary["per_context_length"]) == [label for label, _ in CONTEXT_BUCKETS]  # in the buckets' order
+    # the overall figures do not depend on the groups
+    without = plain.summary()
+    assert without["per_context_length"] == {}
+    assert {k: v for k, v in summary.items() if k != "per_context_length"} == {
+        k: v for k, v in without.items() if k != "per_context_length"}
+    assert summary["accepted_total"] == 16 and summary["points"] == 7

@@ -73,8 +73,15 @@ def test_evaluate_drafter_matches_hand_computation():
     cond = [sum(a > i for a in expect) / max(1, sum(a >= i for a in expect)) for i in range(16)]
     assert r["conditional_acceptance"] == pytest.approx(cond)
     assert r["conditional_support"] == [6] + [sum(a > i for a in expect) for i in range(15)]
-    assert r["per_category"] == {"chat": {"points": 3, "mean_accepted": pytest.approx(21 / 3)},
-                                 "code": {"points": 3, "mean_accepted": pytest.approx(19 / 3)}}
+    # per category: counts exact, the pooled mean and the mean of its prompts' means (chat: b = 5, c = (0+16)/2)
+    assert r["per_category"] == {
+        "chat": {"points": 3, "prompts": 2, "accepted_total": 21, "mean_accepted": pytest.approx(21 / 3),
+                 "mean_accepted_per_prompt": pytest.approx((5 + 8) / 2)},
+        "code": {"points": 3, "prompts": 1, "accepted_total": 19, "mean_accepted": pytest.approx(19 / 3),
+                 "mean_accepted_per_prompt": pytest.approx(19 / 3)}}
+    # every context is 3 tokens long: one bucket holding them all
+    assert list(r["per_context_length"]) == ["<256"] and r["per_context_length"]["<256"]["accepted_total"] == 40
+    assert [p["context_tokens"] for p in r["per_point"]] == [3] * 6
     assert r["tokens_per_verify_step"] == pytest.approx(1 + sum(expect) / 6)
     assert r["latency"]["calls"] == 2 and r["latency"]["unit"].startswith("call")
 
@@ -355,3 +362,48 @@ def test_run_eval_server_at_temperature_uses_the_served_pack_in_process(fake_ser
     assert "the pack the server serves" in (tmp_path / "s" / "report.md").read_text()
     with pytest.raises(ValueError, match="--pack-dir names the pack a --server serves"):
         EvalConfig(model_dir=tiny_qwen3_dir, pack_dir=tiny_qwen3_dir, out=tmp_path, validation=v)
+
+
+def test_run_eval_chooses_the_hybrid_rule_on_half_the_prompts(tiny_qwen3_dir, tmp_path):
+    """--choose-hybrid-rule: the model drafts at every point (its figures are the report's), lookup is scored
+    beside it, and the rule chosen on every other prompt of each category is reported on the others, per category
+    and context length, in the record and the markdown."""
+    from specdraft.drafting.hybrid_rule import HybridRule
+
+    target = _load(tiny_qwen3_dir)
+    rng = random.Random(11)
+    points = []
+    for i in range(8):
+        ctx = [rng.randrange(3, 300) for _ in range(12)]
+        if i % 2:  # the answer restates the context: lookup copies it, the model does not
+            ctx = ctx + ctx[:4]
+            points.append(ValidationPoint(f"copy{i}", "copy", 0, ctx, ctx[4:12] + ctx[:8]))
+        else:  # the model is the target: exact
+            points.append(ValidationPoint(f"new{i}", "new", 0, ctx, naive_greedy(target, ctx, 16,
+                                                                                 stop_at_eos=False).tokens))
+    v = _write_validation(tmp_path / "validation.jsonl", points)
+    out = tmp_path / "r"
+    assert run_eval(EvalConfig(validation=v, model_dir=tiny_qwen3_dir, out=out, compute="float32",
+                               choose_hybrid_rule=True, temperatures=[])) == 0
+    report = json.loads((out / "report.json").read_text())
+    model = [p["accepted"] for p in report["per_point"]]
+    assert model[0::2] == [16] * 4  # the report's own figures stay the model's
+    section = report["hybrid_rule"]
+    assert section["split"]["calibration"] == {"points": 4, "prompts": 4}
+    rule = HybridRule.from_json(section["chosen"])
+    lookup = [(p["lookup_accepted"], p["lookup_match"]) for p in report["per_point"]]
+    # lookup copies what followed the first 4 tokens: 12 tokens, all the target's
+    assert all(m >= 4 for _, m in lookup[1::2]) and all(a == 12 for a, _ in lookup[1::2])
+    # by hand on the reported prompts (the 2nd and 4th of each category)
+    reported = [i for i in range(8) if (i // 2) % 2 == 1]
+    by_hand = [lookup[i][0] if lookup[i][1] and rule.uses_lookup(lookup[i][1], points[i].category) else model[i]
+               for i in reported]
+    assert section["reported"]["overall"]["chosen"]["accepted_total"] == sum(by_hand) == 56
+    assert section["reported"]["per_category"]["copy"]["lookup_alone"]["accepted_total"] == 24
+    assert section["reported"]["per_category"]["new"]["draft_only"]["accepted_total"] == 32
+    md = (out / "report.md").read_text()
+    assert "the rule measured" in md and "## Per context length" in md and "| <256 |" in md
+    assert (out / "acceptance_per_context_length.png").is_file()
+    for bad in (dict(lookup=True), dict(model_dir=tiny_qwen3_dir, hybrid_min_ngram=2)):
+        with pytest.raises(ValueError, match="--choose-hybrid-rule"):
+            EvalConfig(validation=v, out=out, choose_hybrid_rule=True, **bad)

@@ -41,13 +41,13 @@ class DemoConfig(StageConfig):
     manifest: Optional[str] = Field(None, description="data manifest (default: configs/manifest.shared.json "
                                                       "when the shared data is present, else the prompt corpus "
                                                       "shipped in the package)")
-    eval_set: Optional[str] = Field(None, description="evaluation prompts, never trained on (default: the shared "
-                                                      "data's dev/mt_bench.jsonl when present, else the packaged "
-                                                      "corpus's held-out set)")
+    eval_set: Optional[str] = Field(None, description="evaluation prompts, never trained on (default: the packaged "
+                                                      "corpus's held-out set; the shared data's MT-bench, when "
+                                                      "present, is evaluated beside it on both turns)")
     shared_data: Optional[str] = Field(
         str(SHARED_DATA) if SHARED_DATA.is_dir() else None,
-        description="optional data folder with train/ corpora and dev/mt_bench.jsonl (default: ../shared/data "
-                    "beside this checkout when present)")
+        description="optional data folder with train/ corpora and dev/mt_bench.jsonl, evaluated on both turns "
+                    "(default: ../shared/data beside this checkout when present)")
     reference_results: Optional[str] = Field(
         str(REFERENCE_RESULTS) if REFERENCE_RESULTS.is_dir() else None,
         description="optional folder of measured results (bench/results/*.json) the summary quotes for the larger "

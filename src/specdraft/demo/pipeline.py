@@ -215,6 +215,44 @@ def _drafter_summary(drafter: dict, predicted: dict[str, dict], costs: TargetCos
             "equal_to_plain_greedy": best.get("equal_to_plain_greedy")}
 
 
+# The hybrid-rule columns the summary shows, from an eval report's ``hybrid_rule`` section (the fixed rule's key is
+# the section's own ``fixed``)
+RULE_COLUMNS = ("draft_only", "lookup_alone", "fixed", "chosen")
+
+
+def rule_summary(section: dict | None) -> dict | None:
+    """An eval report's measured hybrid rule as the summary reads it: the rule, the split, and on the reported
+    prompts each column's points, accepted total and mean, overall, per category and per context length."""
+    if not section:
+        return None
+    reported = section.get("reported") or {}
+
+    def columns(row: dict) -> dict:
+        keys = {name: section["fixed"] if name == "fixed" else name for name in RULE_COLUMNS}
+        return {name: {k: row[key][k] for k in ("points", "accepted_total", "mean_accepted")}
+                for name, key in keys.items()}
+    return {"chosen": section["chosen"], "chosen_words": section["chosen_words"], "split": section["split"],
+            "fixed_label": section["candidates"][section["fixed"]]["label"],
+            "reported": {"overall": columns(reported["overall"]),
+                         "per_category": {c: columns(r) for c, r in reported["per_category"].items()},
+                         "per_context_length": {b: columns(r) for b, r in reported["per_context_length"].items()}}
+            if reported else None}
+
+
+def mt_bench_summary(run: Run, status: dict[str, Any]) -> dict[str, Any]:
+    """What the MT-bench steps measured (both turns), or why they did not run."""
+    step = status.get("eval_mt_bench") or {}
+    if not step.get("ran"):
+        return {"unavailable": step.get("unavailable")}
+    points = read_json(run.mt_bench_dir / "validation.summary.json")
+    report = read_json(run.run_dir / "eval_mt_bench" / "trained" / "report.json")
+    return {"path": str(run.mt_bench), "points": points.get("points"), "prompts": points.get("prompts"),
+            "categories": points.get("categories") or {}, "drafter": report.get("drafter"),
+            "mean_accepted_pooled": report.get("mean_accepted_pooled"),
+            "per_category": report.get("per_category"), "per_context_length": report.get("per_context_length"),
+            "hybrid_rule": rule_summary(report.get("hybrid_rule"))}
+
+
 def collect_summary(run: Run, status: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What the steps measured, from the records they wrote: the data, acceptance per drafter, speed per engine,
     the files, the checks' exits, each step's seconds, and the reference figures the summary quotes."""
@@ -238,6 +276,8 @@ def collect_summary(run: Run, status: dict[str, dict[str, Any]]) -> dict[str, An
         "models": run.models.to_json(),
         "hybrid_min_ngram": DEFAULT_HYBRID_MIN_NGRAM,
         "acceptance": {name: _acceptance(name, r) for name, r in reports.items()},
+        "hybrid_rule": rule_summary(reports["trained"].get("hybrid_rule")),
+        "mt_bench": mt_bench_summary(run, status),
         "draft_latency": reports["trained"].get("latency"),
         "compute": _compute_choices(reports, speculate),
         "speculate": speculate_summary(speculate),

@@ -57,7 +57,10 @@ def stage_units(budget: Any) -> dict[str, float]:
             "eval_init": validated, "eval_lookup": validated, "eval_self": validated, "eval_trained": validated,
             "speculate": speculated * len(budget.spec_k),
             "speculate_llama_cpp": speculated * len(budget.llama_k) * (2 if budget.llama_full_precision else 1),
-            "selfcheck": 1, "audit": 1}
+            "selfcheck": 1, "audit": 1,
+            # MT-bench: the target's first answers, then both turns' points (where the shared data holds it)
+            "mt_bench_points": budget.val_prompts * (budget.mt_bench_answer_tokens + 2 * budget.val_tokens),
+            "eval_mt_bench": 2 * validated}
 
 
 def reference() -> dict[str, Any] | None:

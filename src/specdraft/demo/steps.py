@@ -6,6 +6,11 @@ config once. A step's ``fingerprint`` is its skip rule: a marker (``RUN_DIR/.sta
 fingerprint means the step ran already, so a rerun resumes; a step ``always`` run has no marker (the checks of the
 files as they are now). ``unavailable`` says why a step cannot run here (llama.cpp not installed), and the summary
 says it too.
+
+MT-bench (``DemoConfig.shared_data``'s ``dev/mt_bench.jsonl``, when there) is evaluated beside the main evaluation
+set on both of its turns: ``mt_bench_points`` decodes the target's first answers (a traces file, resumable) and the
+second turns' contexts over them (``drafting.mt_bench``), ``eval_mt_bench`` measures the trained draft there with
+prompt lookup beside it and the hybrid's rule chosen on half the prompts.
 """
 
 from __future__ import annotations
@@ -16,14 +21,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specdraft.audit import AuditConfig, run_audit
-from specdraft.core.io import atomic_write_json, read_json
+from specdraft.core.io import atomic_write_json, atomic_write_text, jsonl_line, read_json, sha256_file
+from specdraft.core.wire import DRAFT_TOKENS
 from specdraft.data.corpus import heldout_path
+from specdraft.data.mt_bench import interleave_categories, read_mt_bench
 from specdraft.demo.budgets import SELF_DRAFT_EMBEDDING, Budget
 from specdraft.demo.config import REPO_ROOT, DemoConfig
 from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM
+from specdraft.drafting.mt_bench import write_mt_bench_points
 from specdraft.model.compat import PipelineModels
 from specdraft.model.llamacpp import llama_cpp_available, llama_cpp_version
 from specdraft.model.llamacpp_check import engine_problem
+from specdraft.model.trace_backend import HFBackend
 from specdraft.model.truncate import save_init
 from specdraft.server.process import ServerProcess
 from specdraft.stages.evaluate import EvalConfig, run_eval
@@ -52,13 +61,39 @@ class Run:
 
     @cached_property
     def eval_set(self) -> tuple[str, str]:
-        """(path, what it is): --eval-set, else the shared data's MT-bench, else the packaged held-out set."""
+        """(path, what it is): --eval-set, else the packaged held-out set (MT-bench, when the shared data has it, is
+        evaluated beside it: ``mt_bench``)."""
         if self.cfg.eval_set:
             return self.cfg.eval_set, "the --eval-set file"
-        mt_bench = Path(self.cfg.shared_data or "/nonexistent") / "dev" / "mt_bench.jsonl"
-        if mt_bench.is_file():
-            return str(mt_bench), "MT-bench (../shared)"
         return str(heldout_path()), "the packaged corpus's held-out families"
+
+    @cached_property
+    def mt_bench(self) -> Path | None:
+        """The shared data's MT-bench file (``DemoConfig.shared_data``), None where it is not there."""
+        if not self.cfg.shared_data:
+            return None
+        path = Path(self.cfg.shared_data) / "dev" / "mt_bench.jsonl"
+        return path if path.is_file() else None
+
+    @property
+    def mt_bench_dir(self) -> Path:
+        return self.run_dir / "mt_bench"
+
+    @cached_property
+    def mt_bench_answers(self) -> TracesConfig:
+        """The target's greedy first answers to the selected MT-bench questions (``mt_bench/questions.jsonl``)."""
+        return TracesConfig(target=self.cfg.target, prompts=self.mt_bench_dir / "questions.jsonl",
+                            out=self.mt_bench_dir / "answers.jsonl", max_new_tokens=self.budget.mt_bench_answer_tokens,
+                            device=self.cfg.device)
+
+    @cached_property
+    def eval_mt_bench(self) -> EvalConfig:
+        """The trained pack in process on both MT-bench turns, with lookup scored beside it and the hybrid's rule
+        measured; greedy only (acceptance at temperature is the main evaluation's)."""
+        return EvalConfig(validation=self.mt_bench_dir / "validation.jsonl", model_dir=self.run_dir / "model",
+                          out=self.run_dir / "eval_mt_bench" / "trained", device=self.cfg.device,
+                          target=self.cfg.target, threads=self.cfg.threads, choose_hybrid_rule=True,
+                          temperatures=[])
 
     @cached_property
     def manifest(self) -> str | None:
@@ -78,8 +113,10 @@ class Run:
 
     @cached_property
     def prompts(self) -> PromptsConfig:
+        # decontaminated against every set the run evaluates on (every turn of MT-bench)
+        eval_sets = [self.eval_set[0]] + ([str(self.mt_bench)] if self.mt_bench else [])
         return PromptsConfig(manifest=self.manifest, out=str(self.run_dir / "prompts" / "prompts.jsonl"),
-                             tokenizer=self.cfg.target, eval_set=[self.eval_set[0]])
+                             tokenizer=self.cfg.target, eval_set=eval_sets)
 
     @cached_property
     def traces(self) -> TracesConfig:
@@ -193,11 +230,35 @@ def _eval_served(run: Run) -> int:
         if not ok:
             raise RuntimeError(f"draft server did not start: {detail}")
         common = dict(server=server.url, pack_dir=run.run_dir / "model", threads=cfg.threads)
-        exit_code = run_eval(run.eval_config("trained", **common))
+        exit_code = run_eval(run.eval_config("trained", choose_hybrid_rule=True, **common))
         return max(exit_code, run_eval(run.eval_config("trained_lookup", hybrid_min_ngram=DEFAULT_HYBRID_MIN_NGRAM,
                                                        **common)))
     finally:
         server.stop()
+
+
+def _mt_bench_points(run: Run) -> dict[str, Any]:
+    """The selected MT-bench questions (the budget's evaluation prompts, round-robin over the categories), the
+    target's first answers to them, and both turns' points."""
+    questions = interleave_categories(read_mt_bench(run.mt_bench), run.budget.val_prompts)
+    listed = run.mt_bench_dir / "questions.jsonl"
+    text = "".join(jsonl_line(q.to_json()) + "\n" for q in questions)
+    if not listed.is_file() or listed.read_text(encoding="utf-8") != text:
+        atomic_write_text(listed, text)
+    answers = run_traces(run.mt_bench_answers)
+    summary = write_mt_bench_points(
+        run.mt_bench_dir / "validation.jsonl", questions, listed, run.mt_bench_answers.out, run.cfg.target,
+        lambda: HFBackend(run.cfg.target, run.cfg.device, run.mt_bench_answers.batch_size), DRAFT_TOKENS,
+        run.budget.val_tokens)
+    return {"questions": len(questions), "answers": answers.rows, "points": summary["points"]}
+
+
+def _mt_bench_unavailable(run: Run) -> dict[str, str] | None:
+    if run.mt_bench is not None:
+        return None
+    return {"why": "no dev/mt_bench.jsonl in the shared data folder" + (f" ({run.cfg.shared_data})"
+                                                                      if run.cfg.shared_data else " (none given)"),
+            "how": "`specdraft demo --shared-data DIR` with DIR/dev/mt_bench.jsonl (question_id, category, turns)"}
 
 
 def _llama_cpp_unavailable(run: Run) -> dict[str, str] | None:
@@ -231,6 +292,11 @@ STEPS: list[Step] = [
          inputs=("prompts",), outputs=("traces",)),
     Step("validation", lambda run: {"rows": run_validation(run.validation_config).rows},
          lambda run: run.validation_config.to_json_dict(), inputs=(), outputs=("validation",)),
+    Step("mt_bench_points", _mt_bench_points,
+         lambda run: {"mt_bench": str(run.mt_bench), "sha256": sha256_file(run.mt_bench),
+                      "questions": run.budget.val_prompts,
+                      "tokens": run.budget.val_tokens, "answers": run.mt_bench_answers.to_json_dict()},
+         inputs=(), outputs=("mt_bench",), unavailable=_mt_bench_unavailable),
     Step("train", lambda run: {"best": (meta := run_train(run.train)).get("best"), "steps": meta.get("steps")},
          lambda run: run.train.to_json_dict(), inputs=("traces",), outputs=("draft",)),
     Step("init", _write_init, lambda run: {"init": run.init_spec}, inputs=(), outputs=("init",)),
@@ -247,8 +313,13 @@ STEPS: list[Step] = [
     Step("eval_trained", _eval_served,
          lambda run: {"model": str(run.run_dir / "model"), "validation": str(run.validation),
                       "train": run.train.to_json_dict(), "hybrid_min_ngram": DEFAULT_HYBRID_MIN_NGRAM,
+                      "choose_hybrid_rule": True,
                       "temperatures": EvalConfig.model_fields["temperatures"].default},
          inputs=("model", "validation"), outputs=("eval/trained", "eval/trained_lookup")),
+    Step("eval_mt_bench", lambda run: run_eval(run.eval_mt_bench),
+         lambda run: {**run.eval_mt_bench.to_json_dict(), "train": run.train.to_json_dict(),
+                      "pack": run.pack.to_json_dict()},
+         inputs=("model", "mt_bench"), outputs=("eval_mt_bench",), unavailable=_mt_bench_unavailable),
     Step("speculate", lambda run: run_speculate(run.speculate),
          lambda run: {**run.speculate.to_json_dict(), "train": run.train.to_json_dict(),
                       "pack_self": run.pack_self.to_json_dict()},

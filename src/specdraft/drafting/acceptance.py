@@ -49,9 +49,10 @@ def evaluate_drafter(drafter: Drafter, points: Sequence[ValidationPoint | Mappin
                      batch_size: int | None = None, progress: bool = False) -> dict[str, Any]:
     """Ask ``drafter`` for k tokens at every point and score them against the target's tokens.
 
-    Returns counts and the ratios computed from them (``AcceptanceStats.summary()``) plus the drafter's
-    name, per-point accepted lengths and call latency. ``points`` may be ``ValidationPoint`` objects or
-    validation.jsonl dicts. Drafts shorter than k (lookup) are fine: missing tokens count as rejected.
+    Returns counts and the ratios computed from them (``AcceptanceStats.summary()``: overall, per category and per
+    context-length bucket) plus the drafter's name, per-point accepted lengths and call latency. ``points`` may be
+    ``ValidationPoint`` objects or validation.jsonl dicts. Drafts shorter than k (lookup) are fine: missing tokens
+    count as rejected.
     """
     pts = _parse_points(points, k)
     if batch_size is None:
@@ -75,7 +76,7 @@ def evaluate_drafter(drafter: Drafter, points: Sequence[ValidationPoint | Mappin
         for point, draft in zip(chunk, drafts):
             drafted.append([int(t) for t in list(draft)[:k]])
             accepted.append(stats.add(list(draft)[:k], point.target_ids[:k], prompt_id=point.id,
-                                      category=point.category))
+                                      category=point.category, context_tokens=len(point.context_ids)))
         if bar:
             bar.update(len(chunk))
     wall = time.perf_counter() - started
@@ -96,8 +97,8 @@ def evaluate_drafter(drafter: Drafter, points: Sequence[ValidationPoint | Mappin
         "latency": latency,
         "wall_seconds": wall,
         "points_per_second": len(pts) / wall if wall > 0 else math.nan,
-        "per_point": [{"id": p.id, "offset": p.offset, "category": p.category, "accepted": a, "draft": d}
-                      for p, a, d in zip(pts, accepted, drafted)],
+        "per_point": [{"id": p.id, "offset": p.offset, "category": p.category, "context_tokens": len(p.context_ids),
+                       "accepted": a, "draft": d} for p, a, d in zip(pts, accepted, drafted)],
     }
     return report
 

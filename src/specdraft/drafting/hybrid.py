@@ -1,5 +1,7 @@
 """A draft model behind prompt lookup: where the context's last ``min_ngram`` (or more, up to ``max_ngram``)
-tokens occurred earlier, propose what followed them (free); elsewhere ask the model.
+tokens occurred earlier, propose what followed them (free); elsewhere ask the model. With a ``HybridRule`` (a rule
+measured by `specdraft eval --choose-hybrid-rule`, ``drafting.hybrid_rule``), lookup drafts where its match length
+reaches the rule's threshold instead; the fixed rule is the rule ``HybridRule(min_ngram)``.
 
 The two fail in different places: lookup wins in repetitive stretches (lists, code, restated text) and has
 nothing to say elsewhere; the model drafts everywhere but pays a forward pass per token. The model stays pure
@@ -11,9 +13,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from specdraft.drafting.base import DraftDistributions, Drafter, DrafterError
-from specdraft.drafting.lookup import MAX_NGRAM, lookup_draft
+from specdraft.drafting.hybrid_rule import DEFAULT_HYBRID_MIN_NGRAM, HybridRule
+from specdraft.drafting.lookup import MAX_NGRAM, lookup_match
 
-DEFAULT_HYBRID_MIN_NGRAM = 2
+__all__ = ["DEFAULT_HYBRID_MIN_NGRAM", "HybridDrafter", "HybridRule"]
 
 
 class HybridDrafter(Drafter):
@@ -22,11 +25,15 @@ class HybridDrafter(Drafter):
     gained since its last call."""
 
     def __init__(self, model_drafter: Drafter, min_ngram: int = DEFAULT_HYBRID_MIN_NGRAM, max_ngram: int = MAX_NGRAM,
-                 name: str | None = None):
+                 name: str | None = None, rule: HybridRule | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.model_drafter, self.min_ngram, self.max_ngram = model_drafter, min_ngram, max_ngram
-        self.name = name or f"{model_drafter.name}+lookup{min_ngram}"
+        # lookup's match is at least the n-gram it found (n <= max_ngram), and a match found below min_ngram
+        # never reaches it: the fixed rule is exactly the threshold min_ngram on the match length
+        self.rule = rule if rule is not None else HybridRule(min_ngram)
+        measured = f"-match{self.rule.min_match}" if self.rule.min_match else "-never"
+        self.name = name or f"{model_drafter.name}+lookup{min_ngram if rule is None else measured}"
         self.concurrency = model_drafter.concurrency
         self.lookup_used = self.model_used = 0
 
@@ -44,11 +51,16 @@ class HybridDrafter(Drafter):
 
     def _lookup(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> tuple[list[list[int]], list[int]]:
         """Lookup's drafts, and the indices of the contexts it has nothing for (the model's)."""
-        out = [lookup_draft(c, num_tokens, self.max_ngram, self.min_ngram) for c in contexts]
+        out = [self._found(c, num_tokens) for c in contexts]
         ask = [i for i, d in enumerate(out) if not d]
         self.lookup_used += len(contexts) - len(ask)
         self.model_used += len(ask)
         return out, ask
+
+    def _found(self, context: Sequence[int], num_tokens: int) -> list[int]:
+        """Lookup's draft where the rule (its overall threshold: a context has no category here) proposes it."""
+        draft, match = lookup_match(context, num_tokens, self.max_ngram, 1)
+        return draft if self.rule.uses_lookup(match) else []
 
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
         out, ask = self._lookup(contexts, num_tokens)
@@ -75,7 +87,7 @@ class HybridDrafter(Drafter):
     def path_probs(self, context, continuation, settings):
         """Where lookup answers at ``context`` its draft drives the whole step (q one-hot), else the model's."""
         n = len(continuation)
-        found = lookup_draft(context, n, self.max_ngram, self.min_ngram)
+        found = self._found(context, n)
         if found:
             return [DraftDistributions.one_hot(found, n) for _ in settings]
         return self.model_drafter.path_probs(context, continuation, settings)

@@ -3,7 +3,9 @@
 A draft of k tokens is scored against the target's next k greedy tokens: the accepted length is the
 longest common prefix. Two means are reported and named apart, because the field mixes them up:
 ``mean_accepted_pooled`` averages over evaluation points, ``mean_accepted_per_prompt`` first averages
-within each prompt, then over prompts.
+within each prompt, then over prompts. Both are also given per category (the evaluation record's) and per
+context-length bucket (``CONTEXT_BUCKETS``), where drafters differ most: lookup where the answer repeats a long
+context, a draft model where the answer is new text.
 """
 
 from __future__ import annotations
@@ -11,6 +13,31 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
+
+# Context-length buckets, in tokens of the evaluation point's context: (label, lower bound inclusive), ascending.
+# Declared once; the eval record and report, and the demo's summary, read their labels from here.
+CONTEXT_BUCKETS: tuple[tuple[str, int], ...] = (("<256", 0), ("256-1K", 256), ("1K-4K", 1024), (">=4K", 4096))
+
+
+def context_bucket(tokens: int) -> str:
+    """The label of the ``CONTEXT_BUCKETS`` bucket a context of ``tokens`` tokens falls in."""
+    label = CONTEXT_BUCKETS[0][0]
+    for name, lower in CONTEXT_BUCKETS:
+        if tokens >= lower:
+            label = name
+    return label
+
+
+def group_summary(lengths: Sequence[int], prompts: Sequence[str]) -> dict[str, float | int]:
+    """Counts and means of one group of points (a category, a bucket): ``lengths`` their accepted lengths,
+    ``prompts`` their prompt ids."""
+    per_prompt: dict[str, list[int]] = defaultdict(list)
+    for a, pid in zip(lengths, prompts):
+        per_prompt[pid].append(a)
+    means = [sum(v) / len(v) for v in per_prompt.values()]
+    return {"points": len(lengths), "prompts": len(per_prompt), "accepted_total": sum(lengths),
+            "mean_accepted": sum(lengths) / len(lengths) if lengths else 0.0,
+            "mean_accepted_per_prompt": sum(means) / len(means) if means else 0.0}
 
 
 def accepted_length(draft: Sequence[int], target: Sequence[int]) -> int:
@@ -25,7 +52,8 @@ def accepted_length(draft: Sequence[int], target: Sequence[int]) -> int:
 
 @dataclass
 class AcceptanceStats:
-    """Accumulates accepted lengths of k-token drafts; per position, per category and per prompt."""
+    """Accumulates accepted lengths of k-token drafts; per position, per category, per context-length bucket
+    (when the context's length is given) and per prompt."""
 
     k: int = 16
     points: int = 0
@@ -33,12 +61,17 @@ class AcceptanceStats:
     histogram: list[int] = field(default_factory=list)  # histogram[a] = points with accepted length a
     by_category: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
     by_prompt: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    # each category's prompt ids, in step with by_category, and each bucket's (accepted length, prompt id): the
+    # per-group per-prompt means
+    by_category_prompt: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    by_bucket: dict[str, list[tuple[int, str]]] = field(default_factory=lambda: defaultdict(list))
 
     def __post_init__(self):
         if not self.histogram:
             self.histogram = [0] * (self.k + 1)
 
-    def add(self, draft: Sequence[int], target: Sequence[int], *, prompt_id: str = "", category: str = "") -> int:
+    def add(self, draft: Sequence[int], target: Sequence[int], *, prompt_id: str = "", category: str = "",
+            context_tokens: int | None = None) -> int:
         if len(target) < self.k:
             raise ValueError(f"target has {len(target)} tokens, need k={self.k}")
         a = accepted_length(list(draft)[: self.k], list(target)[: self.k])
@@ -46,7 +79,10 @@ class AcceptanceStats:
         self.accepted_total += a
         self.histogram[a] += 1
         self.by_category[category].append(a)
+        self.by_category_prompt[category].append(prompt_id)
         self.by_prompt[prompt_id].append(a)
+        if context_tokens is not None:
+            self.by_bucket[context_bucket(context_tokens)].append((a, prompt_id))
         return a
 
     # -- ratios, computed at the end
@@ -77,9 +113,15 @@ class AcceptanceStats:
         prev = [self.points] + reached[:-1]
         return [r / p if p else 0.0 for r, p in zip(reached, prev)]
 
-    def per_category(self) -> dict[str, dict[str, float]]:
-        return {c: {"points": len(v), "mean_accepted": sum(v) / len(v)}
-                for c, v in sorted(self.by_category.items()) if v}
+    def per_category(self) -> dict[str, dict[str, float | int]]:
+        """Per category (sorted): points, prompts, accepted total, pooled and per-prompt means."""
+        return {c: group_summary(v, self.by_category_prompt[c]) for c, v in sorted(self.by_category.items()) if v}
+
+    def per_context_length(self) -> dict[str, dict[str, float | int]]:
+        """Per ``CONTEXT_BUCKETS`` bucket holding a point (in the buckets' order), as ``per_category``; empty where
+        no context length was given."""
+        return {label: group_summary([a for a, _ in self.by_bucket[label]], [p for _, p in self.by_bucket[label]])
+                for label, _ in CONTEXT_BUCKETS if self.by_bucket.get(label)}
 
     def summary(self) -> dict:
         return {
@@ -93,6 +135,7 @@ class AcceptanceStats:
             "cumulative_acceptance": self.cumulative_acceptance(),
             "conditional_acceptance": self.conditional_acceptance(),
             "per_category": self.per_category(),
+            "per_context_length": self.per_context_length(),
         }
 
 

@@ -277,12 +277,14 @@ def summary_markdown(summary: dict) -> str:
     latency = summary.get("draft_latency") or {}
     lines += ["", "A 16-token draft over HTTP (eval clients, 8 concurrent): "
                   f"p50 {_fmt(latency.get('p50_ms'), 0)} ms, p99 {_fmt(latency.get('p99_ms'), 0)} ms."]
+    lines += hybrid_rule_lines(summary.get("hybrid_rule"), "the evaluation set, the trained draft over HTTP")
     choices = summary.get("compute") or {}
     if choices:
         lines += ["", "Draft compute (`--compute auto` measures the formats on this CPU at load and keeps the "
                       "fastest for each step's work):", ""]
         lines += [f"- {where}: **{c['compute']}**" + (f", {c['prefill']} prefill" if c["compute"] == "int4" else "")
                   + f" ({c['reason']})" for where, c in choices.items()]
+    lines += mt_bench_lines(summary.get("mt_bench"))
     lines += ["",
               f"## Speed in {_engine_name(spec)}, against its own plain greedy decoding", "",
               f"{spec.get('prompts')} prompts x {spec.get('max_new_tokens')} tokens, {spec.get('repeats', 1)} "
@@ -306,6 +308,78 @@ def summary_markdown(summary: dict) -> str:
               f"Wall time: {_fmt_seconds(summary.get('wall_seconds'))}{_describe_earlier(summary)}."]
     lines += _stage_times(summary)
     return "\n".join(lines) + "\n"
+
+
+# The measured hybrid rule's columns (``demo.pipeline.RULE_COLUMNS``) as the summary heads them
+RULE_HEADINGS = {"draft_only": "trained draft", "lookup_alone": "prompt lookup", "fixed": "draft behind lookup, "
+                 "the fixed rule", "chosen": "draft behind lookup, the chosen rule"}
+
+
+def _mean(cell: dict) -> str:
+    return f"{cell['accepted_total'] / cell['points']:.2f}" if cell.get("points") else "-"
+
+
+def hybrid_rule_lines(rule: dict | None, where: str) -> list[str]:
+    """One paragraph: the rule chosen on the calibration prompts, and each column on the other prompts."""
+    if not rule:
+        return []
+    split, reported = rule["split"], rule.get("reported")
+    line = (f"The hybrid's rule measured on {where}: chosen on {split['calibration']['points']} points of "
+            f"{split['calibration']['prompts']} prompts (every other prompt of each category): "
+            f"**{rule['chosen_words']}**.")
+    if reported:
+        overall = reported["overall"]
+        line += (f" On the other {split['reported']['points']} points, accepted of 16: "
+                 + ", ".join(f"{RULE_HEADINGS[name]} {_mean(cell)}" for name, cell in overall.items()) + ".")
+    else:
+        line += " No prompt is left to report it on (every category has a single prompt here)."
+    return ["", line]
+
+
+def _turn_rows(groups: dict, categories: dict) -> dict[int, dict]:
+    """Per-category cells (``{column: {points, accepted_total}}``) summed per turn, from the categories' turns."""
+    turns: dict[int, dict] = {}
+    for name, cells in groups.items():
+        turn = (categories.get(name) or {}).get("turn")
+        if turn is None:
+            continue
+        into = turns.setdefault(turn, {})
+        for column, cell in cells.items():
+            total = into.setdefault(column, {"points": 0, "accepted_total": 0})
+            total["points"] += cell["points"]
+            total["accepted_total"] += cell["accepted_total"]
+    return dict(sorted(turns.items()))
+
+
+def mt_bench_lines(section: dict | None) -> list[str]:
+    """MT-bench's both turns: the trained draft over every point, and on the reported prompts the draft, lookup and
+    the hybrid under the fixed and the chosen rule, per turn, category and context length."""
+    if not section:
+        return []
+    lines = ["", "## MT-bench, both turns (the shared data's development set, never trained on)", ""]
+    if section.get("unavailable"):
+        why = section["unavailable"] or {}
+        return lines + [f"Not measured in this run: {why.get('why')}. {why.get('how')}"]
+    categories = section.get("categories") or {}
+    draft_turns = _turn_rows({c: {"draft": r} for c, r in (section.get("per_category") or {}).items()}, categories)
+    lines.append(f"{section['points']} points from {section['prompts']} prompts: the first turns, and the second "
+                 "turns asked after the target's own greedy first answer (`mt_bench/`; "
+                 "`eval_mt_bench/trained/report.md`). The trained draft over every point: "
+                 f"{_fmt(section.get('mean_accepted_pooled'), 2)} accepted of 16"
+                 + "".join(f", turn {t} {_mean(cells['draft'])}" for t, cells in draft_turns.items()) + ".")
+    rule = section.get("hybrid_rule")
+    lines += hybrid_rule_lines(rule, "MT-bench")
+    reported = (rule or {}).get("reported")
+    if not reported:
+        return lines
+    header = ["| {what} | points | " + " | ".join(RULE_HEADINGS.values()) + " |", "|---|---:|" + "---:|" * 4]
+    turns = {f"turn {t}": cells for t, cells in _turn_rows(reported["per_category"], categories).items()}
+    tables = (("prompts", {**turns, **reported["per_category"]}), ("context", reported["per_context_length"]))
+    for what, groups in tables:
+        lines += ["", header[0].format(what=what), header[1]]
+        lines += [f"| {name} | {cells['chosen']['points']} | " + " | ".join(_mean(cells[c]) for c in RULE_HEADINGS)
+                  + " |" for name, cells in groups.items()]
+    return lines
 
 
 def _temperature_columns(acceptance: dict) -> list[str]:

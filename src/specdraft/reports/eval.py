@@ -46,14 +46,68 @@ def report_markdown(report: Mapping[str, Any], title: str = "Draft acceptance") 
         lines.append(f"| {i} | {cum:.3f} | {f'{cond:.3f} (n={n})' if n else '— (no point got here)'} |")
     lines += ["", "## Accepted length histogram", "", "| accepted | points |", "|---|---|"]
     lines += [f"| {a} | {n} |" for a, n in enumerate(report["histogram"])]
-    lines += ["", "## Per category", "", "| category | points | mean accepted |", "|---|---|---|"]
-    for cat, row in report["per_category"].items():
-        lines.append(f"| {cat} | {row['points']} | {row['mean_accepted']:.3f} |")
+    lines += group_markdown("Per category", "category", report["per_category"], k)
+    lines += group_markdown("Per context length (tokens of the context)", "context", report.get("per_context_length"),
+                            k)
+    lines += hybrid_rule_markdown(report.get("hybrid_rule"), k)
     lines += temperature_markdown(report.get("acceptance_at_temperature"))
     plots = report.get("plots") or []
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def group_markdown(title: str, what: str, groups: Mapping[str, Mapping[str, Any]] | None, k: int) -> list[str]:
+    """One table of per-group figures (a category, a context-length bucket); older records lack some columns."""
+    if not groups:
+        return []
+    lines = ["", f"## {title}", "",
+             f"| {what} | points | prompts | accepted (sum) | mean accepted, pooled (of {k}) | per-prompt mean |",
+             "|---|---|---|---|---|---|"]
+    for name, row in groups.items():
+        lines.append(f"| {name} | {row['points']} | {row.get('prompts', '-')} | {row.get('accepted_total', '-')} | "
+                     f"{row['mean_accepted']:.3f} | {_num(row.get('mean_accepted_per_prompt'))} |")
+    return lines
+
+
+def _num(x: Any) -> str:
+    return f"{x:.3f}" if isinstance(x, (int, float)) else "-"
+
+
+# The columns a hybrid-rule table shows: (the record's key, the heading)
+RULE_COLUMNS = (("draft_only", "the model only"), ("lookup_alone", "lookup alone"))
+
+
+def hybrid_rule_markdown(section: Mapping[str, Any] | None, k: int) -> list[str]:
+    """The measured hybrid rule: the rule chosen on the calibration prompts, every candidate there, and the
+    reported prompts per category and context length (the model alone, lookup alone, the fixed rule, the chosen)."""
+    if not section:
+        return []
+    split, candidates = section["split"], section["candidates"]
+    fixed = section["fixed"]
+    lines = ["", "## When lookup drafts in front of the model: the rule measured", "",
+             f"Chosen on {split['calibration']['points']} points of {split['calibration']['prompts']} prompts: "
+             f"**{section['chosen_words']}**. Reported below on the other {split['reported']['points']} points of "
+             f"{split['reported']['prompts']} prompts. _{split['how']}_", "",
+             f"| candidate | on the calibration prompts, mean accepted (of {k}) |", "|---|---|"]
+    calibration = section["calibration"]["overall"]
+    lines += [f"| {c['label']} | {calibration[key]['mean_accepted']:.3f} |" for key, c in candidates.items()]
+    reported = section.get("reported")
+    if not reported:
+        return lines + ["", "(No reported prompts: every category has one prompt.)"]
+    columns = [*RULE_COLUMNS, (fixed, candidates[fixed]["label"]), ("chosen", "the chosen rule")]
+    header = ["| {what} | points | " + " | ".join(h for _, h in columns) + " |",
+              "|---|---|" + "---|" * len(columns)]
+
+    def rows(groups: Mapping[str, Mapping[str, Any]]) -> list[str]:
+        return [f"| {name} | {row['chosen']['points']} | "
+                + " | ".join(f"{row[key]['mean_accepted']:.3f}" for key, _ in columns) + " |"
+                for name, row in groups.items()]
+    lines += ["", f"On the reported prompts, mean accepted (of {k}):", "",
+              header[0].format(what="category"), header[1]]
+    lines += rows({"all": reported["overall"], **reported["per_category"]})
+    lines += ["", header[0].format(what="context"), header[1]] + rows(reported["per_context_length"])
+    return lines
 
 
 def compute_words(choice: Mapping[str, Any] | None) -> str:
@@ -114,7 +168,15 @@ def write_plots(report: Mapping[str, Any], out: Path) -> list[str]:
                         title=f"per category: {name}",
                         annotate={c: f"{r['mean_accepted']:.2f} (n={r['points']})"
                                   for c, r in report["per_category"].items()}),
-    ]
+        ]
+    lengths = report.get("per_context_length") or {}
+    if lengths:
+        files.append(plots.plot_bars({c: r["mean_accepted"] for c, r in lengths.items()},
+                                     out / "acceptance_per_context_length.png",
+                                     ylabel=f"mean accepted length (of {report['k']})",
+                                     title=f"per context length (tokens): {name}",
+                                     annotate={c: f"{r['mean_accepted']:.2f} (n={r['points']})"
+                                               for c, r in lengths.items()}))
     section = report.get("acceptance_at_temperature") or {"temperatures": {}}
     for key, row in section["temperatures"].items():
         if row["temperature"] > 0:  # temperature 0 is the greedy plot above

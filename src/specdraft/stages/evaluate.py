@@ -4,7 +4,12 @@ Every validation point holds a context and the target's next 16 greedy tokens; `
 scores the drafter's k tokens against them. This stage picks the drafter -- the draft server
 (``HTTPDrafter``), a draft model in process (``model.loader.load_draft``: a packed QD04 dir or an HF
 checkpoint dir) or model-free prompt lookup, optionally behind lookup (``HybridDrafter``) -- and writes
-``report.json``, ``report.md`` and PNG plots.
+``report.json``, ``report.md`` and PNG plots: overall, per category (the points' own) and per context-length bucket
+(``drafting.metrics.CONTEXT_BUCKETS``).
+
+``--choose-hybrid-rule`` measures when lookup should draft in front of the model rather than fixing it
+(``drafting.hybrid_rule``): the model drafts at every point, lookup is scored beside it, a rule is chosen on a
+calibration split and reported on the other prompts (``hybrid_rule`` in the record).
 
 Acceptance at temperature (``--temperatures``, ``drafting.acceptance.evaluate_at_temperatures``): the expected
 accepted length of speculative sampling from the target's distributions (``--target``, one forward per point) and
@@ -30,6 +35,7 @@ from specdraft.drafting.acceptance import evaluate_at_temperatures, evaluate_dra
 from specdraft.drafting.base import Drafter, DrafterError
 from specdraft.drafting.batched import ModelDrafter
 from specdraft.drafting.hybrid import HybridDrafter
+from specdraft.drafting.hybrid_rule import measure_rules, rule_points
 from specdraft.drafting.lookup import LookupDrafter
 from specdraft.drafting.remote import HTTPDrafter
 from specdraft.model.device import DEVICE_HELP, resolve_device
@@ -68,6 +74,11 @@ class EvalConfig(StageConfig):
         None, ge=1, le=4, description="with --server or --model-dir: prompt lookup first wherever the context's "
                                       "last N (or more, up to 4) tokens occurred before, the model only elsewhere "
                                       "(reported as its own drafter)")
+    choose_hybrid_rule: bool = Field(
+        False, description="with --server or --model-dir: also score prompt lookup at every point and choose when it "
+                           "drafts in front of the model (never, or where its match is at least n tokens, n = 1, 2 "
+                           "(the fixed rule), 3, 4, 8, 16; per category where that pays) on every other prompt of "
+                           "each category, reported on the others (report.json: hybrid_rule)")
     temperatures: list[float] = Field(
         [0.0, 0.7, 1.0], description="acceptance at temperature: the expected accepted length of speculative "
                                      "sampling at each (0 = greedy, equal to the greedy figures); an empty list "
@@ -92,6 +103,9 @@ class EvalConfig(StageConfig):
         if self.lookup and self.hybrid_min_ngram is not None:
             raise ValueError("--hybrid-min-ngram puts lookup in front of a model: use it with --server or "
                              "--model-dir, not --lookup")
+        if self.choose_hybrid_rule and (self.lookup or self.hybrid_min_ngram is not None):
+            raise ValueError("--choose-hybrid-rule measures the model alone at every point beside lookup: use it "
+                             "with --server or --model-dir, without --lookup or --hybrid-min-ngram")
         if self.pack_dir is not None and not self.server:
             raise ValueError("--pack-dir names the pack a --server serves; without --server use --model-dir")
         for t in self.temperatures:
@@ -187,6 +201,18 @@ def acceptance_at_temperature(config: EvalConfig, drafter: Drafter, source: dict
     return result
 
 
+def hybrid_rule_record(report: dict[str, Any], points, k: int) -> dict[str, Any]:
+    """``measure_rules`` over the model's accepted lengths in ``report`` and lookup's, measured here; each point's
+    lookup figures join its ``per_point`` row."""
+    rows = rule_points(points, [row["accepted"] for row in report["per_point"]], k)
+    for row, scored in zip(report["per_point"], rows):
+        row["lookup_accepted"], row["lookup_match"] = scored.lookup, scored.match
+    record = measure_rules(rows)
+    log.info("hybrid rule chosen on %d calibration points: %s", record["split"]["calibration"]["points"],
+             record["chosen_words"])
+    return record
+
+
 def run_eval(config: EvalConfig) -> int:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -210,6 +236,8 @@ def run_eval(config: EvalConfig) -> int:
                                           progress=True)
             if drafter.backpressure is not None:
                 report["backpressure"] = drafter.backpressure
+            if config.choose_hybrid_rule:
+                report["hybrid_rule"] = hybrid_rule_record(report, points, config.k)
             if drafter.lookup_used is not None:  # counted by the greedy pass alone
                 report["hybrid"] = {"min_ngram": config.hybrid_min_ngram, "lookup_points": drafter.lookup_used,
                                     "model_points": drafter.model_used}

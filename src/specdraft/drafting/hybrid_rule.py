@@ -1,0 +1,203 @@
+"""When prompt lookup drafts in front of a draft model: a rule measured on evaluation points, not fixed.
+
+Lookup's copy is free and holds where the answer restates the context (a rewrite of an earlier turn, a
+translation keeping names and numbers); the model wins where the answer is new text. The fixed rule (lookup
+wherever the context's last ``DEFAULT_HYBRID_MIN_NGRAM`` tokens recur) is one candidate among several, all
+thresholds on one signal lookup measures anyway, its match length (``lookup.lookup_match``):
+
+- never: the model drafts everywhere;
+- lookup where its match is at least n tokens long, for n in ``CANDIDATE_MIN_MATCH`` (the fixed rule is n = 2).
+
+``choose_rule`` picks the best threshold on a calibration split of the points (``calibration_split``: every other
+prompt of each category), and a category's own where it has enough calibration points and beats the overall
+choice there. ``measure_rules`` scores every candidate and the chosen rule on the other prompts only, so a choice is
+never reported on the points that made it. The chosen ``HybridRule`` is data (``to_json`` / ``from_json``) that
+``HybridDrafter`` applies: its overall threshold wherever a context's category is unknown (a served request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from specdraft.core.records import ValidationPoint
+from specdraft.drafting.lookup import MAX_NGRAM, lookup_match
+from specdraft.drafting.metrics import CONTEXT_BUCKETS, accepted_length, context_bucket, group_summary
+
+DEFAULT_HYBRID_MIN_NGRAM = 2
+# The thresholds tried, most lookup first (a tie goes to the rule that drafts more for free); None: never lookup
+CANDIDATE_MIN_MATCH: tuple[int | None, ...] = (1, 2, 3, 4, 8, 16, None)
+# A category gets a threshold of its own only from this many calibration points: fewer, and its choice would
+# follow the noise of one or two prompts
+MIN_CATEGORY_POINTS = 16
+SPLIT_NOTE = ("calibration: every other prompt of each category (the 1st, 3rd, ... in the file's order); reported: "
+              "the others. The rule is chosen on the calibration prompts alone and scored on the reported ones.")
+
+
+@dataclass(frozen=True)
+class HybridRule:
+    """Lookup drafts in front of the model where its match length (``lookup_match``) is at least ``min_match``
+    tokens (None: never); ``per_category`` overrides it for the categories a calibration found better served
+    otherwise (used only where the caller knows a context's category)."""
+
+    min_match: int | None = DEFAULT_HYBRID_MIN_NGRAM
+    per_category: Mapping[str, int | None] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for where, t in (("min_match", self.min_match), *self.per_category.items()):
+            if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
+                raise ValueError(f"hybrid rule: {where} must be an integer >= 1 or null (never lookup), got {t!r}")
+
+    def threshold(self, category: str | None = None) -> int | None:
+        if category is not None and category in self.per_category:
+            return self.per_category[category]
+        return self.min_match
+
+    def uses_lookup(self, match: int, category: str | None = None) -> bool:
+        """Whether lookup's draft (of match length ``match``, 0: none) is proposed instead of the model's."""
+        t = self.threshold(category)
+        return t is not None and match >= t
+
+    def for_category(self, category: str) -> "HybridRule":
+        """The rule one category's contexts get, as a rule without categories."""
+        return HybridRule(self.threshold(category))
+
+    def describe(self) -> str:
+        words = candidate_label(self.min_match)
+        if self.per_category:
+            words += "; " + ", ".join(f"{c}: {candidate_label(t)}" for c, t in sorted(self.per_category.items()))
+        return words
+
+    def to_json(self) -> dict[str, Any]:
+        return {"min_match": self.min_match, "per_category": dict(sorted(self.per_category.items())),
+                "what": "prompt lookup drafts in front of the model where its match length (the context's last "
+                        "tokens equal to those before the occurrence it copies) is >= min_match (null: never), per "
+                        "category where listed; elsewhere the model drafts"}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "HybridRule":
+        if not isinstance(obj, Mapping) or "min_match" not in obj:
+            raise ValueError("hybrid rule: expected an object with 'min_match' (and optionally 'per_category')")
+        per_category = obj.get("per_category") or {}
+        if not isinstance(per_category, Mapping):
+            raise ValueError("hybrid rule: 'per_category' must be an object (category -> min_match)")
+        return cls(obj["min_match"], {str(c): t for c, t in per_category.items()})
+
+
+def candidate_key(min_match: int | None) -> str:
+    return "draft_only" if min_match is None else f"lookup_match_{min_match}"
+
+
+def candidate_label(min_match: int | None) -> str:
+    if min_match is None:
+        return "the model only"
+    fixed = " (the fixed rule)" if min_match == DEFAULT_HYBRID_MIN_NGRAM else ""
+    return f"lookup where its match >= {min_match}{fixed}"
+
+
+@dataclass(frozen=True)
+class RulePoint:
+    """One evaluation point as the rules see it: the model's accepted length there, lookup's, and lookup's match
+    length (0: lookup has no draft)."""
+
+    id: str
+    category: str
+    context_tokens: int
+    model: int
+    lookup: int
+    match: int
+
+    def accepted(self, rule: HybridRule | None) -> int:
+        """The accepted length under ``rule`` (None: lookup alone, nothing where it has no draft)."""
+        if rule is None:
+            return self.lookup
+        return self.lookup if self.match and rule.uses_lookup(self.match, self.category) else self.model
+
+
+def rule_points(points: Sequence[ValidationPoint], model_accepted: Sequence[int], k: int) -> list[RulePoint]:
+    """Each point with the model's accepted length (``model_accepted``, from its own evaluation) and lookup's,
+    measured here (lookup as ``HybridDrafter`` runs it under a rule: n = 4 down to 1)."""
+    if len(points) != len(model_accepted):
+        raise ValueError(f"{len(model_accepted)} accepted lengths for {len(points)} points")
+    out = []
+    for p, a in zip(points, model_accepted):
+        draft, match = lookup_match(p.context_ids, k, MAX_NGRAM, 1)
+        out.append(RulePoint(p.id, p.category, len(p.context_ids), int(a),
+                             accepted_length(draft[:k], p.target_ids[:k]), match))
+    return out
+
+
+def calibration_split(points: Sequence[RulePoint]) -> list[bool]:
+    """True for the calibration points: those of every other prompt of each category, in order of first
+    appearance (so each category with two prompts or more is on both sides, and a prompt is on one side)."""
+    seen: dict[str, dict[str, int]] = {}
+    for p in points:
+        order = seen.setdefault(p.category, {})
+        order.setdefault(p.id, len(order))
+    return [seen[p.category][p.id] % 2 == 0 for p in points]
+
+
+def _score(points: Sequence[RulePoint], rule: HybridRule | None) -> dict[str, Any]:
+    return group_summary([p.accepted(rule) for p in points], [p.id for p in points])
+
+
+def _best(points: Sequence[RulePoint]) -> int | None:
+    """The candidate threshold with the most accepted over ``points`` (the first of a tie, in candidate order)."""
+    totals = [sum(p.accepted(HybridRule(t)) for p in points) for t in CANDIDATE_MIN_MATCH]
+    return CANDIDATE_MIN_MATCH[totals.index(max(totals))]
+
+
+def choose_rule(calibration: Sequence[RulePoint]) -> HybridRule:
+    """The best threshold over the calibration points, and a category's own best where that category has
+    ``MIN_CATEGORY_POINTS`` calibration points and its best accepts more there than the overall choice."""
+    if not calibration:
+        raise ValueError("no calibration points to choose a hybrid rule on")
+    overall = _best(calibration)
+    per_category: dict[str, int | None] = {}
+    for category in sorted({p.category for p in calibration}):
+        mine = [p for p in calibration if p.category == category]
+        if len(mine) < MIN_CATEGORY_POINTS:
+            continue
+        best = _best(mine)
+        gain = sum(p.accepted(HybridRule(best)) for p in mine) - sum(p.accepted(HybridRule(overall)) for p in mine)
+        if gain > 0:
+            per_category[category] = best
+    return HybridRule(overall, per_category)
+
+
+def _table(points: Sequence[RulePoint], chosen: HybridRule | None) -> dict[str, Any]:
+    """Every candidate, lookup alone and (given) the chosen rule over ``points``: overall, per category and per
+    context-length bucket."""
+    def row(group: Sequence[RulePoint]) -> dict[str, Any]:
+        out = {"lookup_alone": _score(group, None)}
+        out.update({candidate_key(t): _score(group, HybridRule(t)) for t in CANDIDATE_MIN_MATCH})
+        if chosen is not None:
+            out["chosen"] = _score(group, chosen)
+        return out
+    categories = sorted({p.category for p in points})
+    buckets = [label for label, _ in CONTEXT_BUCKETS if any(context_bucket(p.context_tokens) == label for p in points)]
+    return {"overall": row(points),
+            "per_category": {c: row([p for p in points if p.category == c]) for c in categories},
+            "per_context_length": {b: row([p for p in points if context_bucket(p.context_tokens) == b])
+                                   for b in buckets}}
+
+
+def measure_rules(points: Sequence[RulePoint]) -> dict[str, Any]:
+    """The record of a measured rule: the split, every candidate on the calibration points, the rule chosen there,
+    and every candidate with the chosen rule on the reported points (never the ones it was chosen on)."""
+    side = calibration_split(points)
+    calibration = [p for p, c in zip(points, side) if c]
+    reported = [p for p, c in zip(points, side) if not c]
+    chosen = choose_rule(calibration)
+    return {
+        "candidates": {candidate_key(t): {"min_match": t, "label": candidate_label(t)} for t in CANDIDATE_MIN_MATCH},
+        "fixed": candidate_key(DEFAULT_HYBRID_MIN_NGRAM),
+        "min_category_points": MIN_CATEGORY_POINTS,
+        "split": {"how": SPLIT_NOTE,
+                  "calibration": {"points": len(calibration), "prompts": len({p.id for p in calibration})},
+                  "reported": {"points": len(reported), "prompts": len({p.id for p in reported})}},
+        "chosen": chosen.to_json(),
+        "chosen_words": chosen.describe(),
+        "calibration": _table(calibration, None),
+        "reported": _table(reported, chosen) if reported else None,
+    }
