@@ -133,7 +133,35 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
                      f"{auto['compute']}" + (f" ({auto['prefill']} prefill)" if auto["compute"] == "int4" else "")
                      + "; " + " / ".join(x(v) for v in fig["auto_vs_fastest_explicit"].values()),
                      f"{machine(result)}, {result['date']}", path.name))
+    for path in sorted(RESULTS.glob("trace_backends.*.json")):
+        result = json.loads(path.read_text())
+        fig = result["figures"]
+        ratios = " / ".join(x(t["best_llama_cpp_by_cpu_time"]["vs_hf"]) for t in fig["by_threads"])
+        threads = " / ".join(str(t["threads"]) for t in fig["by_threads"])
+        agree = _llama_cpp_agreement(fig)
+        rows.append((f"`specdraft traces --backend llama.cpp` against `--backend hf`: tokens per CPU-second at "
+                     f"{threads} thread(s); prompts whose {fig['max_new_tokens']} greedy tokens are the torch "
+                     "target's", f"{ratios}; {agree['identical_prompts']} of {agree['prompts']}",
+                     f"{machine(result)}, {result['date']}", path.name))
+    for path in sorted(RESULTS.glob("server_loop*.json")):
+        result = json.loads(path.read_text())
+        fig = result["figures"]
+        levels = fig["levels"]
+        rows.append((f"`specdraft serve` in a speculation loop ({_loop_draft(fig)}): server time per generated "
+                     "token with prefix reuse against without, " + " / ".join(f"{lv['loops']}" for lv in levels)
+                     + " loop(s)", " / ".join(x(lv["reuse_vs_no_reuse"]["ms_per_token"]) for lv in levels),
+                     f"{machine(result)}, {result['date']}", path.name))
     return rows
+
+
+def _llama_cpp_agreement(fig: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's greedy tokens against the hf backend's (the same prompts: every thread count agrees)."""
+    return next(r["vs_hf"] for r in fig["by_threads"][0]["runs"] if r["backend"] == "llama.cpp")
+
+
+def _loop_draft(fig: dict[str, Any]) -> str:
+    return ("a 6-layer stand-in draft" if fig["draft"].startswith("stand-in") else
+            "the target packed as its own draft")
 
 
 def benchmarks_summary() -> str:
@@ -165,9 +193,61 @@ def compute_tables() -> str:
     return "\n".join(out).rstrip() if out else "(no compute results yet: `bench/bench_compute.py`)"
 
 
+def trace_backend_tables() -> str:
+    """Per machine: the traces stage's backends, tokens per CPU-second and per second, and llama.cpp's agreement."""
+    out: list[str] = []
+    for path in sorted(RESULTS.glob("trace_backends.*.json")):
+        result = json.loads(path.read_text())
+        fig = result["figures"]
+        out += [f"{machine(result)}, {result['date']}, `{result['command']}` "
+                f"([{path.name}](bench/results/{path.name})): {fig['num_prompts']} prompts "
+                f"({fig['prompt_tokens']['median']} tokens median), "
+                f"{fig['max_new_tokens']} new tokens each, median of {fig['repeats']} runs.", "",
+                "| threads | backend | tokens per CPU-second | tokens/s | against hf per CPU-second |",
+                "|---:|---|---:|---:|---:|"]
+        for t in fig["by_threads"]:
+            hf = next(r for r in t["runs"] if r["backend"] == "hf")
+            for r in t["runs"]:
+                label = r["backend"] + (f", {r['sequences']} sequences" if "sequences" in r else
+                                        f", batch {r['batch_size']}")
+                out.append(f"| {t['threads']} | {label} | {r['tokens_per_cpu_s']:.1f} | {r['tokens_per_s']:.1f} | "
+                           f"{x(r['tokens_per_cpu_s'] / hf['tokens_per_cpu_s'])} |")
+        agree = _llama_cpp_agreement(fig)
+        first = agree["first_difference"]
+        out += ["", f"llama.cpp's greedy tokens against the torch target's: {agree['identical_prompts']} of "
+                f"{agree['prompts']} prompts identical over {fig['max_new_tokens']} tokens, the first difference at "
+                f"token {first['median']:g} (median; quartiles {first['p25']:g}–{first['p75']:g}), at the first token "
+                f"for {first['first_token_differs']} prompts.", ""]
+    return "\n".join(out).rstrip() if out else "(no trace backend results yet: `bench/bench_trace_backends.py`)"
+
+
+def server_loop_tables() -> str:
+    """Per draft: the speculation loop against `specdraft serve` with and without prefix reuse."""
+    out: list[str] = []
+    for path in sorted(RESULTS.glob("server_loop*.json")):
+        result = json.loads(path.read_text())
+        fig = result["figures"]
+        out += [f"**{_loop_draft(fig)}** ({fig['draft']}), {machine(result)}, {result['date']}, `{result['command']}`"
+                f" ([{path.name}](bench/results/{path.name})): {fig['prompts']}, {fig['new_tokens']} target tokens "
+                f"a prompt, {fig['prompts_per_loop']} prompts a loop, compute `{' '.join(fig['compute'])}`.", "",
+                "| loops | calls | accepted per call | server ms per generated token, reuse / none | reuse ÷ none | "
+                "p50 / p99 per call, reuse / none | peak RSS, reuse / none | drafts identical with and without reuse |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for lv in fig["levels"]:
+            a, b = lv["reuse"], lv["no_reuse"]
+            out.append(f"| {lv['loops']} | {a['calls']} | {a['mean_accepted']:.2f} | {a['ms_per_token']:.0f} / "
+                       f"{b['ms_per_token']:.0f} | {x(lv['reuse_vs_no_reuse']['ms_per_token'])} | "
+                       f"{a['p50_ms']:.0f} / {a['p99_ms']:.0f} ms against {b['p50_ms']:.0f} / {b['p99_ms']:.0f} ms | "
+                       f"{a['rss_mb_peak']:.0f} / {b['rss_mb_peak']:.0f} MB | "
+                       f"{100 * lv['agreement']['identical_drafts']:.0f}% |")
+        out.append("")
+    return "\n".join(out).rstrip() if out else "(no loop results yet: `bench/bench_server_loop.py`)"
+
+
 BLOCKS: dict[Path, dict[str, Callable[[], str]]] = {
     ROOT / "README.md": {"demo-time": readme_demo_time, "results": readme_results},
-    ROOT / "BENCHMARKS.md": {"summary": benchmarks_summary, "compute": compute_tables},
+    ROOT / "BENCHMARKS.md": {"summary": benchmarks_summary, "compute": compute_tables,
+                             "trace-backends": trace_backend_tables, "server-loop": server_loop_tables},
 }
 
 
