@@ -3,15 +3,13 @@ llama-cpp-python's batch API, against itself one prompt at a time, against the t
 `specdraft traces --backend llama.cpp` killed and resumed."""
 
 import json
-import subprocess
-import sys
-import time
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
 
+from processes import kill_once_written
 from specdraft.cli import main
 from specdraft.core.io import RecordFileError
 from specdraft.model import trace_llamacpp
@@ -171,17 +169,7 @@ def test_traces_with_llama_cpp_killed_and_resumed(tmp_path):
     out = tmp_path / "traces.jsonl"
     args = ["traces", "--backend", "llama.cpp", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens",
             "8", "--batch-size", "2", "--threads", "1", "--top-logprobs", "2"]
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_LLAMA, *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 180
-    while time.time() < deadline and proc.poll() is None:
-        if out.is_file() and out.read_bytes().count(b"\n") >= 3:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    assert proc.returncode == -9, "the run ended before it could be killed"
-    before = out.read_bytes().count(b"\n")
+    before = kill_once_written(SLOW_LLAMA, args, out, lines=3, timeout_s=180)
     assert 3 <= before < 12
     assert main(args) == 0  # the resume: the same command again
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from processes import kill_once_written
 from specdraft.audit.config import AuditConfig
 from specdraft.audit.context import AuditContext
 from specdraft.audit.traces import audit_traces
@@ -187,16 +188,7 @@ def test_traces_killed_subprocess_resumes(tiny, tmp_path):
             "d.SlotDecoder.step = lambda self: (time.sleep(0.05), step(self))[1]\n"
             "from specdraft.cli import main\n"
             f"sys.exit(main({args!r}))\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if out.is_file() and out.read_bytes().count(b"\n") >= 4:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    assert proc.returncode == -9, "the run ended before it could be killed"
-    before = out.read_bytes().count(b"\n")
+    before = kill_once_written(code, [], out, lines=4, timeout_s=120)
     assert 4 <= before < 24
     res = run_traces(TracesConfig(target=str(tiny[0]), prompts=prompts, out=out, max_new_tokens=8, batch_size=2))
     rows = _rows(out)
