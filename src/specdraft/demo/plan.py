@@ -81,6 +81,7 @@ class Plan:
     speed_vs_reference: float | None  # > 1: this machine runs the probe faster than the reference machine did
     expected_seconds: dict[str, float]
     reference_machine: str | None
+    unexpected: tuple[str, ...] = ()  # stages still to run that the reference run did not time
 
     @property
     def total(self) -> float:
@@ -90,7 +91,8 @@ class Plan:
         return {"machine": self.machine, "threads": self.threads, "probe_seconds": round(self.probe_seconds, 5),
                 "speed_vs_reference": None if self.speed_vs_reference is None else round(self.speed_vs_reference, 3),
                 "expected_seconds": {k: round(v, 1) for k, v in self.expected_seconds.items()},
-                "expected_total_seconds": round(self.total, 1), "reference_machine": self.reference_machine}
+                "expected_total_seconds": round(self.total, 1), "reference_machine": self.reference_machine,
+                "unexpected": list(self.unexpected)}
 
     def lines(self) -> list[str]:
         if not self.expected_seconds:
@@ -99,7 +101,9 @@ class Plan:
         head = (f"this machine: {describe(self.machine)}, {self.threads} thread(s); it runs the probe "
                 f"{self.speed_vs_reference:.2f}x as fast as the reference ({self.reference_machine}); expected "
                 f"wall time {self.total / 60:.1f} min for the stages still to run:")
-        return [head] + [f"  {stage:<20} {seconds:7.0f} s" for stage, seconds in self.expected_seconds.items()]
+        return ([head] + [f"  {stage:<20} {seconds:7.0f} s" for stage, seconds in self.expected_seconds.items()]
+                + ([f"  not in the reference run, so not expected: {', '.join(self.unexpected)}"]
+                   if self.unexpected else []))
 
 
 def plan(budget: Any, stages: list[str], threads: int | None = None) -> Plan:
@@ -119,4 +123,5 @@ def plan(budget: Any, stages: list[str], threads: int | None = None) -> Plan:
     units, ref_units = stage_units(budget), ref["units"]
     expected = {stage: ref["stage_seconds"][stage] * units[stage] / ref_units[stage] / speed
                 for stage in stages if stage in ref["stage_seconds"] and stage in units and ref_units.get(stage)}
-    return Plan(here, threads, seconds, speed, expected, describe(ref["machine"]))
+    return Plan(here, threads, seconds, speed, expected, describe(ref["machine"]),
+                tuple(stage for stage in stages if stage not in expected))
