@@ -250,6 +250,22 @@ def test_completion_that_is_not_the_targets_greedy_choice(run):
     assert repr(rows[0]["id"]) in bad.details[0] and "not the target's greedy choice" in bad.message
 
 
+def test_llama_cpp_traces_are_greedy_but_not_rescored_by_the_torch_target(run):
+    # llama.cpp traces are the GGUF file as llama.cpp computes it: the float32 target is not their judge, and the
+    # tiny target has no GGUF file to decode them again with, so the check says so instead of passing
+    path = run / "traces" / "traces.summary.json"
+    _edit_json(path, "backend", "llama.cpp")
+    _edit_json(path, "config.backend", "llama.cpp")
+    report = _audit(run, greedy_check=2)
+    checks = {f.check: f for f in report.findings if f.section == "traces"}
+    assert checks["greedy"].status == "pass" and "'llama.cpp'" in checks["greedy"].message
+    rescored = checks["greedy re-scored"]
+    assert rescored.status == "skip", rescored
+    assert "not decoded again" in rescored.message and "has no GGUF file" in rescored.message
+    assert {"file": "traces/traces.summary.json", "field": "target.gguf_sha256"} in rescored.cites
+    assert report.passed, _failed(report)
+
+
 def test_labels_that_are_not_the_targets_argmax(run):
     path = run / "labels" / "labels.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]

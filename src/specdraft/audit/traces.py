@@ -1,11 +1,19 @@
 """The traces link: the completions trained on are the declared target's own greedy choices for this run's
 prompts, and the validation points come from the same target.
 
-It proves that traces.summary.json describes a complete greedy run (hf or vllm backend, no sampling setting) of a
-pinned target still on disk with the recorded weights; that the rows, token counts, finish reasons and sha256
-are the recorded ones; that every trace id is a prompt of prompts.jsonl with the same source, and its
-prompt_ids are that prompt in the target's chat template; that a few completions re-scored by the target are
-its teacher-forced argmax; and that validation.jsonl is complete and decoded by the same target.
+It proves that traces.summary.json describes a complete greedy run (hf, vllm or llama.cpp backend, no sampling
+setting) of a pinned target still on disk with the recorded weights; that the rows, token counts, finish reasons
+and sha256 are the recorded ones; that every trace id is a prompt of prompts.jsonl with the same source, and its
+prompt_ids are that prompt in the target's chat template; that a few completions are the target's greedy
+choices; and that validation.jsonl is complete and decoded by the same target.
+
+The greedy choices are checked as the backend made them. hf and vllm traces are the float32 torch target's:
+re-scored by it, their completion tokens must be its teacher-forced argmax. llama.cpp traces are the target's GGUF
+file as llama.cpp computes it (quantised weights, 8-bit activations), which parts from the float32 model after some
+tokens by design; so the GGUF file, its sha256 the one the traces recorded for the target, decodes the picked
+prompts again through llama.cpp, one at a time, and must give every stored completion token for token (batched
+decoding equals one prompt at a time bit for bit). Without llama-cpp-python, an engine that runs here, or the
+target's GGUF file on this machine, that check is skipped, saying why.
 
 A traces file merged from shards (`specdraft merge-traces`) is followed back to them: every shard i of n is there
 once, unchanged since its own finished run (sha256 of its file and summary), of the same target and settings, and
@@ -23,7 +31,10 @@ from specdraft.audit.context import AuditContext, lookup, short
 from specdraft.audit.models import argmax_mismatches, check_model_source, spread
 from specdraft.core.io import read_json, read_jsonl
 from specdraft.model.chat import encode_prompts
-from specdraft.model.specs import tokenizer_fingerprint
+from specdraft.model.llamacpp import llama_cpp_module
+from specdraft.model.llamacpp_check import engine_problem
+from specdraft.model.specs import CONVERSION_RECORD, ModelSpecError, embedded_gguf_path, tokenizer_fingerprint
+from specdraft.model.trace_llamacpp import LlamaCppBackend
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "do_sample", "sampling", "min_p", "typical_p")
 
@@ -126,7 +137,7 @@ def _greedy(ctx: AuditContext, s: dict) -> None:
     config = s.get(_settings_key(s)) or {}
     sampling = sorted(k for k in config if any(w in k.lower() for w in SAMPLING_KEYS))
     backend = s.get("backend") or config.get("backend")
-    ok = not sampling and backend in ("hf", "vllm")
+    ok = not sampling and backend in ("hf", "vllm", "llama.cpp")
     ctx.add("greedy", "pass" if ok else "fail",
             f"backend {backend!r} decodes greedily only; no sampling settings in the config" if ok else
             f"backend {backend!r}, sampling settings {sampling}: not the greedy traces stage",
@@ -138,6 +149,9 @@ def _greedy(ctx: AuditContext, s: dict) -> None:
         return
     if not rows:
         ctx.add("greedy re-scored", "skip", "no traces", [ctx.cite(sp, "target.path")])
+        return
+    if backend == "llama.cpp":  # another computation of the target than the float32 model: its own judge
+        _regenerated(ctx, s, spread(rows, n))
         return
     model, why, field = ctx.rescoring_model(lookup(s, "target.weights_sha256"))
     if model is None:
@@ -155,6 +169,103 @@ def _greedy(ctx: AuditContext, s: dict) -> None:
     else:
         ctx.add("greedy re-scored", "fail", f"{mismatched} of {total} completion tokens are not the target's "
                                             "greedy choice", cites, bad)
+
+
+def _regenerated(ctx: AuditContext, s: dict, picks: list[dict]) -> None:
+    """llama.cpp traces: the picked prompts decoded again, one at a time, by llama.cpp from the target's GGUF file
+    (its sha256 the one the traces recorded), each for as many tokens as its stored completion, must give that
+    completion token for token."""
+    sp = ctx.paths.traces_summary
+    cites = [ctx.cite(ctx.paths.traces, "completion_ids"), ctx.cite(sp, "target.gguf_sha256")]
+    gguf, why = _gguf_file(s)
+    if gguf is None:
+        ctx.add("greedy re-scored", "skip", f"llama.cpp traces, not decoded again: {why}", cites)
+        return
+    actual, recorded = ctx.sha(gguf), lookup(s, "target.gguf_sha256")
+    if actual != recorded:
+        ctx.add("greedy re-scored", "fail", f"{gguf} has sha256 {short(actual)}, the traces' target recorded "
+                                            f"{short(recorded)}: not the file the traces were decoded from", cites)
+        return
+    gb = gguf.stat().st_size / 1e9
+    if gb > ctx.cfg.greedy_check_max_gb:
+        ctx.add("greedy re-scored", "skip", f"the target's GGUF file is {gb:.1f} GB, more than "
+                                            f"--greedy-check-max-gb {ctx.cfg.greedy_check_max_gb}", cites)
+        return
+    try:
+        llama_cpp_module()
+    except ImportError as e:
+        ctx.add("greedy re-scored", "skip", f"llama.cpp traces, not decoded again: {e}", cites)
+        return
+    problem = engine_problem()  # checked in a child: an engine that dies of an instruction would end the audit
+    if problem:
+        ctx.add("greedy re-scored", "skip", f"llama.cpp traces, not decoded again: {problem}", cites)
+        return
+    sizes = _recorded_batch_tokens(s)
+    backends: dict[int | None, LlamaCppBackend] = {}
+    bad, total = [], 0
+    try:
+        for t in picks:
+            prompt, completion = list(t["prompt_ids"]), list(t["completion_ids"])
+            total += len(completion)
+            # a prompt longer than a prefill piece is split at the run's piece size, which moves its logits:
+            # each recorded size that splits it differently is one way the run may have decoded it
+            tries = {min(b, len(prompt)) if b else None: b for b in sizes}.values()
+            got = []
+            for b in tries:
+                if b not in backends:
+                    backends[b] = LlamaCppBackend(gguf, sequences=1, **({"batch_tokens": b} if b else {}))
+                ((_, gen),) = backends[b].generate([prompt], len(completion))
+                got = gen.tokens
+                if got == completion:
+                    break
+            if got != completion:
+                first = next((j for j, (x, y) in enumerate(zip(got, completion)) if x != y),
+                             min(len(got), len(completion)))
+                bad.append(f"{t.get('id')!r} (traces.jsonl line {t['_line']}): llama.cpp gives {len(got)} tokens, "
+                           f"{len(completion)} stored, first different at completion position {first}")
+    finally:
+        for backend in backends.values():
+            backend.close()
+    cites.append(ctx.cite(sp, "runs"))
+    if bad:
+        ctx.add("greedy re-scored", "fail", f"{len(bad)} of {len(picks)} traces decoded again by llama.cpp from "
+                                            f"{gguf.name} are not the stored completion", cites, bad)
+    else:
+        ctx.add("greedy re-scored", "pass", f"{len(picks)} traces decoded again by llama.cpp from {gguf.name} "
+                                            f"(sha256 {short(actual)}, as recorded), one at a time: all {total} "
+                                            "completion tokens are the stored ones", cites)
+
+
+def _gguf_file(s: dict) -> tuple[Path | None, str | None]:
+    """(the GGUF file of the traces' target, None), else (None, why not): an embedded target's own file, or the one
+    its converted directory records. Its sha256 is the caller's to compare (``target_gguf`` would call a changed
+    file absent)."""
+    spec, path = str(lookup(s, "target.spec") or ""), lookup(s, "target.path")
+    if spec.startswith("embedded:"):
+        try:
+            return embedded_gguf_path(spec.removeprefix("embedded:")), None
+        except ModelSpecError as e:
+            return None, str(e)
+    record = Path(path or spec) / CONVERSION_RECORD
+    if not record.is_file():
+        return None, (f"target {spec!r} has no GGUF file on this machine (neither an embedded target nor a "
+                      f"directory converted from one, with {CONVERSION_RECORD})")
+    gguf = Path(read_json(record).get("gguf_path") or "")
+    if not gguf.is_file():
+        return None, f"{record}: its GGUF file {str(gguf)!r} is not on this machine"
+    return gguf, None
+
+
+def _recorded_batch_tokens(s: dict) -> list[int | None]:
+    """The prefill piece sizes (``batch_tokens``) the runs that wrote the traces recorded -- a merged file's, its
+    shards' runs; [None] (the backend's default) when none did."""
+    runs = list(s.get("runs") or [])
+    for rec in s.get("shards") or []:
+        summary = Path(rec.get("summary") or "")
+        if summary.is_file():
+            runs += read_json(summary).get("runs") or []
+    sizes = sorted({int(r["batch_tokens"]) for r in runs if isinstance(r, dict) and r.get("batch_tokens")})
+    return sizes or [None]
 
 
 def _counts(ctx: AuditContext, s: dict) -> None:
