@@ -28,10 +28,13 @@ class AuditConfig(StageConfig):
     out: str | None = Field(None, description="where audit.md / audit.json go (unset: RUN_DIR/audit)")
     ngram: int | None = Field(None, ge=1, description="n of the word n-gram contamination check (unset: the "
                                                       "prompts stage's, else 13)")
-    greedy_check: int = Field(4, ge=0, description="traces re-scored with the target (teacher-forced argmax must "
-                                                   "equal every completion token); 0 turns it off")
+    greedy_check: int = Field(4, ge=0, description="traces re-scored with the target (hf and vllm traces: its "
+                                                   "teacher-forced argmax must equal every completion token; "
+                                                   "llama.cpp traces: decoded again from the same GGUF file, token "
+                                                   "for token); 0 turns it off")
     greedy_check_max_gb: float = Field(4.0, gt=0, description="skip the greedy re-score on CPU when the target's "
-                                                              "weight files exceed this many GB (on a GPU it runs)")
+                                                              "weight files (llama.cpp traces: its GGUF file) exceed "
+                                                              "this many GB (on a GPU the torch re-score runs)")
     serve_check: bool = Field(True, description="start the server in a sandbox (no outgoing sockets, every file "
                                                 "open recorded), send one /draft, stop it")
     serve_timeout_s: float = Field(120.0, gt=0, description="bound on the whole sandboxed server check")
