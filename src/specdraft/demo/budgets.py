@@ -41,6 +41,13 @@ class Budget:
     # turn's context holds that answer (a follow-up asks to rewrite or extend it). 512 holds most answers whole; the
     # small budget's 128 keeps its decoding within the demo's time, its second turns then hold answers cut there
     mt_bench_answer_tokens: int = 512
+    # the target's continuation evaluated on each MT-bench turn (a point every 16 tokens); None: val_tokens. The
+    # small budget's 32 (two points a turn) keeps both turns' evaluation within the demo's time
+    mt_bench_tokens: int | None = None
+
+    @property
+    def mt_bench_eval_tokens(self) -> int:
+        return self.mt_bench_tokens or self.val_tokens
 
 
 # The draft keeps 24 of the target's 30 layers; the default budget trains only the last 12 (the first 12 stay
@@ -67,7 +74,7 @@ BUDGETS: dict[str, Budget] = {
     "small": Budget(trace_prompts=200, trace_tokens=32, draft_init=DRAFT_INIT, epochs=1, lr=5e-4,
                     freeze_layers=0, val_prompts=16, val_tokens=64, spec_prompts=4, spec_tokens=32,
                     spec_k=[16], spec_repeats=2, qat=True, compile_drafts=False, predict=False, llama_k=[4],
-                    llama_full_precision=False, mt_bench_answer_tokens=128),
+                    llama_full_precision=False, mt_bench_answer_tokens=128, mt_bench_tokens=32),
     # 960 traces for 1 epoch rather than 480 for 3: more data beat more epochs (docs/history.md, "More traces, one
     # epoch"); scored every 100 steps rather than 25 so that the extra traces fit the budget's earlier wall time;
     # the first 12 layers frozen: training them too accepts a little more, but by a smaller share than it adds to

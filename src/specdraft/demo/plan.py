@@ -59,8 +59,8 @@ def stage_units(budget: Any) -> dict[str, float]:
             "speculate_llama_cpp": speculated * len(budget.llama_k) * (2 if budget.llama_full_precision else 1),
             "selfcheck": 1, "audit": 1,
             # MT-bench: the target's first answers, then both turns' points (where the shared data holds it)
-            "mt_bench_points": budget.val_prompts * (budget.mt_bench_answer_tokens + 2 * budget.val_tokens),
-            "eval_mt_bench": 2 * validated}
+            "mt_bench_points": budget.val_prompts * (budget.mt_bench_answer_tokens + 2 * budget.mt_bench_eval_tokens),
+            "eval_mt_bench": 2 * budget.val_prompts * budget.mt_bench_eval_tokens}
 
 
 def reference() -> dict[str, Any] | None:

@@ -249,7 +249,7 @@ def _mt_bench_points(run: Run) -> dict[str, Any]:
     summary = write_mt_bench_points(
         run.mt_bench_dir / "validation.jsonl", questions, listed, run.mt_bench_answers.out, run.cfg.target,
         lambda: HFBackend(run.cfg.target, run.cfg.device, run.mt_bench_answers.batch_size), DRAFT_TOKENS,
-        run.budget.val_tokens)
+        run.budget.mt_bench_eval_tokens)
     return {"questions": len(questions), "answers": answers.rows, "points": summary["points"]}
 
 
@@ -295,7 +295,7 @@ STEPS: list[Step] = [
     Step("mt_bench_points", _mt_bench_points,
          lambda run: {"mt_bench": str(run.mt_bench), "sha256": sha256_file(run.mt_bench),
                       "questions": run.budget.val_prompts,
-                      "tokens": run.budget.val_tokens, "answers": run.mt_bench_answers.to_json_dict()},
+                      "tokens": run.budget.mt_bench_eval_tokens, "answers": run.mt_bench_answers.to_json_dict()},
          inputs=(), outputs=("mt_bench",), unavailable=_mt_bench_unavailable),
     Step("train", lambda run: {"best": (meta := run_train(run.train)).get("best"), "steps": meta.get("steps")},
          lambda run: run.train.to_json_dict(), inputs=("traces",), outputs=("draft",)),
