@@ -212,6 +212,13 @@ BAD_JSON_BODIES = {
                                   "top_alternatives", "greater than or equal to 0"),
     "top_alternatives_without_probs": ({"token_ids": [1], "top_alternatives": 3}, "top_alternatives",
                                        "needs return_probs"),
+    "stop_confidence_zero": ({"token_ids": [1], "stop_confidence": 0}, "stop_confidence", "greater than 0"),
+    "stop_confidence_negative": ({"token_ids": [1], "stop_confidence": -0.5}, "stop_confidence", "greater than 0"),
+    "stop_confidence_above_1": ({"token_ids": [1], "stop_confidence": 1.5}, "stop_confidence",
+                                "less than or equal to 1"),
+    "stop_confidence_string": ({"token_ids": [1], "stop_confidence": "0.5"}, "stop_confidence", "valid number"),
+    "stop_confidence_bool": ({"token_ids": [1], "stop_confidence": True}, "stop_confidence", "valid number"),
+    "stop_confidence_list": ({"token_ids": [1], "stop_confidence": [0.5]}, "stop_confidence", "valid number"),
     "body_not_object": ([1, 2, 3], "body", "dictionary"),
 }
 
@@ -311,6 +318,9 @@ def test_openapi_documents_the_limits(live):
     assert "return_probs" in props["top_alternatives"]["description"]
     assert {"properties": {"return_probs": {"const": True}}, "required": ["return_probs"]} in req["anyOf"]
     assert props["sampling"]["anyOf"][0]["$ref"] == "#/components/schemas/SamplingRequest"
+    stop = props["stop_confidence"]["anyOf"][0]
+    assert stop == {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+    assert props["stop_confidence"]["default"] is None
     sampling = schemas["SamplingRequest"]
     assert sampling["additionalProperties"] is False
     assert set(sampling["properties"]) == {"temperature", "top_p", "top_k", "seed"}
@@ -318,7 +328,8 @@ def test_openapi_documents_the_limits(live):
     assert sampling["properties"]["top_p"]["exclusiveMinimum"] == 0 and sampling["properties"]["top_p"]["maximum"] == 1
     assert sampling["properties"]["top_k"]["minimum"] == 0
     response = schemas["DraftResponse"]
-    assert set(response["properties"]) == {"draft_ids", "model", "draft_probs", "top_ids", "top_probs"}
+    assert set(response["properties"]) == {"draft_ids", "model", "draft_probs", "top_ids", "top_probs",
+                                           "stop_reason"}
     assert set(response["required"]) == {"draft_ids", "model"}
     assert "1.0" in response["properties"]["draft_probs"]["description"]  # the greedy convention
 

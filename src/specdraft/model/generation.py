@@ -19,7 +19,7 @@ from specdraft.model.sampling import GREEDY, SamplingParams, sample_from, warp_p
 @dataclass
 class Generation:
     tokens: list[int]
-    finish_reason: str  # "eos" | "length"
+    finish_reason: str  # "eos" | "length" | "confidence" (a ``DraftSampling.stop_confidence`` stop)
     # with ``top_logprobs=k``: at each generated position, the k most likely token ids (most likely first; the
     # generated token is the first) and their log-probabilities under the full softmax
     top_ids: list[list[int]] | None = None
@@ -39,21 +39,29 @@ class DraftSampling:
     ``warp_probs(logits, params)`` with a generator of the row's own, seeded with ``seed`` (None: a fresh random
     seed), so a seeded row draws the same tokens whatever shares its batch. ``return_probs`` records the warped
     probability of each drawn token (greedy: the one-hot's 1.0); ``top_alternatives`` k > 0 the warped
-    distribution's k most likely tokens at each position (the function ``top_alternatives``)."""
+    distribution's k most likely tokens at each position (the function ``top_alternatives``).
+
+    ``stop_confidence`` t ends the row after the first token whose confidence is below t, that token included
+    (``drafting.cached.CachedDraftModel``'s "probability" rule, transformers' assistant confidence threshold): a
+    greedy token's confidence is its probability under the draft's plain softmax, a sampled token's its probability
+    under the warped distribution it was drawn from. The tokens are the same with or without it, up to the stop."""
 
     params: SamplingParams = GREEDY
     seed: int | None = None
     return_probs: bool = False
     top_alternatives: int = 0
+    stop_confidence: float | None = None
 
     def __post_init__(self) -> None:
         if self.top_alternatives < 0 or (self.top_alternatives and not self.return_probs):
             raise ValueError("top_alternatives must be >= 0, and > 0 only with return_probs")
+        if self.stop_confidence is not None and not 0 < self.stop_confidence <= 1:
+            raise ValueError(f"stop_confidence must be in (0, 1], got {self.stop_confidence!r}")
 
     @property
     def plain(self) -> bool:
-        """Greedy with nothing more to report: the row takes the engine's argmax path and nothing else."""
-        return self.params.greedy and not self.return_probs
+        """Greedy with nothing more to report or decide: the row takes the engine's argmax path and nothing else."""
+        return self.params.greedy and not self.return_probs and self.stop_confidence is None
 
 
 PLAIN = DraftSampling()
@@ -88,15 +96,21 @@ class RowSampler:
         self.probs: list[float] = []
         self.alternative_ids: list[list[int]] = []
         self.alternative_probs: list[list[float]] = []
+        self.stopped = False  # the last token's confidence fell below ``stop_confidence``
 
     def pick(self, logits: torch.Tensor, greedy_token: int) -> int:
         """The row's token from its next-token ``logits`` [V] (``greedy_token`` is their argmax), recorded."""
         s = self.settings
+        if s.params.greedy and s.stop_confidence is not None:
+            # the greedy one-hot says nothing about confidence: the plain softmax's top probability does
+            self.stopped = float(torch.softmax(logits.float(), -1).max()) < s.stop_confidence
         if s.params.greedy and not s.top_alternatives:
             self.probs.append(1.0)  # one-hot: no need to build it
             return greedy_token
         probs = warp_probs(logits, s.params)  # [V]
         token = greedy_token if self.generator is None else int(sample_from(probs, self.generator))
+        if not s.params.greedy and s.stop_confidence is not None:
+            self.stopped = float(probs[token]) < s.stop_confidence
         if s.return_probs:
             self.probs.append(float(probs[token]))
         if s.top_alternatives:

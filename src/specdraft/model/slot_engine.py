@@ -436,14 +436,16 @@ class SlotDecoder:
             if tops is not None:
                 self.tops[row][0].append(tops[0][i])
                 self.tops[row][1].append(tops[1][i])
+            sampler = self.samplers[row]
             if tok in self.eos:
                 reason = "eos"
             elif len(toks) >= self.max_new_tokens:
                 reason = "length"
+            elif sampler is not None and sampler.stopped:  # its stop rule: the slot is free for the next prompt
+                reason = "confidence"
             else:
                 continue
             top_ids, top_lps = self.tops[row] if tops is not None else (None, None)
-            sampler = self.samplers[row]
             finished.append((self.index[row], Generation(toks, reason, top_ids, top_lps,
                                                          **(sampler.report() if sampler else {}))))
             done.append(row)

@@ -305,6 +305,10 @@ def _add_draft_route(app: FastAPI, state: ServerState, DraftRequest: type[BaseMo
             payload["draft_probs"] = drafted.probs
         if body.top_alternatives:
             payload["top_ids"], payload["top_probs"] = drafted.top_ids, drafted.top_probs
+        if body.stop_confidence is not None:
+            payload["stop_reason"] = "confidence" if drafted.stopped else "length"
+            if drafted.stopped:
+                state.metrics.stopped(body.num_tokens - len(drafted.tokens))
         return JSONResponse(payload)
 
 

@@ -104,7 +104,8 @@ class SlotLane:
     def _drafts(self, finished: list[tuple[int, Generation]]) -> dict[int, Draft]:
         d = self.decoder
         out = {key: _draft_so_far(toks, sampler) for key, toks, sampler in zip(d.index, d.tokens, d.samplers)}
-        out.update({key: Draft(gen.tokens, gen.probs, gen.alternative_ids, gen.alternative_probs)
+        out.update({key: Draft(gen.tokens, gen.probs, gen.alternative_ids, gen.alternative_probs,
+                               stopped=gen.finish_reason == "confidence")
                     for key, gen in finished})
         return out
 

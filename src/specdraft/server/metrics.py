@@ -2,9 +2,10 @@
 
 Requests by route and status and their latency; what became of each draft request (answered, timed out,
 cancelled by its client, refused for overload, a full queue or shutdown, failed) and the work dropped for the
-abandoned ones; the scheduler's iterations (rows decoded together, prefill tokens, time); the queue; the prefix
-cache (context tokens reused instead of computed, hits, evictions, its budget and use, read from the cache when
-scraped); and the process itself (resident memory, CPU seconds, open files: prometheus_client's process collector).
+abandoned ones; the drafts their stop rule ended early and the tokens not drafted; the scheduler's iterations (rows
+decoded together, prefill tokens, time); the queue; the prefix cache (context tokens reused instead of computed,
+hits, evictions, its budget and use, read from the cache when scraped); and the process itself (resident memory,
+CPU seconds, open files: prometheus_client's process collector).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class ServerMetrics:
                                            "decode step of the live rows + budgeted prefill)",
                                            buckets=ITERATION_BUCKETS, registry=r)
         self.tokens = Counter("specdraft_draft_tokens", "draft tokens returned", registry=r)
+        self.stopped_drafts = Counter("specdraft_drafts_stopped", "drafts ended short of num_tokens by their "
+                                      "request's stop_confidence", registry=r)
+        self.stopped_tokens = Counter("specdraft_draft_tokens_not_drafted", "tokens stopped drafts did not draft "
+                                      "(num_tokens less the tokens returned): the decode steps saved", registry=r)
         self.context_tokens = Counter("specdraft_context_tokens", "context tokens computed (prefilled); those copied "
                                       "from the prefix cache instead: specdraft_context_tokens_reused", registry=r)
         self.failures = Counter("specdraft_iteration_failures", "scheduler iterations whose model call raised",
@@ -87,6 +92,10 @@ class ServerMetrics:
     def outcome(self, outcome: str, tokens: int = 0) -> None:
         self.outcomes.labels(outcome).inc()
         self.tokens.inc(tokens)
+
+    def stopped(self, tokens_not_drafted: int) -> None:
+        self.stopped_drafts.inc()
+        self.stopped_tokens.inc(tokens_not_drafted)
 
     def request_done(self, path: str, status: int, seconds: float) -> None:
         route = path if path in ROUTES else "other"

@@ -80,11 +80,16 @@ class Draft:
     probs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_probs: list[list[float]] | None = None
+    # ended by its request's stop rule (``DraftSampling.stop_confidence``) short of the lane's length: the row has
+    # already left its lane
+    stopped: bool = False
 
     def head(self, n: int) -> "Draft":
-        """The first ``n`` positions (a request may want fewer tokens than its lane's rows decode)."""
+        """The first ``n`` positions (a request may want fewer tokens than its lane's rows decode). A stop at the
+        n-th token is no stop: the request got all it asked for, as the in-process rule never judges the last."""
         return Draft(self.tokens[:n], *(None if v is None else v[:n] for v in (self.probs, self.top_ids,
-                                                                               self.top_probs)))
+                                                                               self.top_probs)),
+                     stopped=self.stopped and len(self.tokens) < n)
 
 
 class Lane(Protocol):
@@ -437,8 +442,9 @@ class Scheduler:
     def _answer(self, lane: Lane, drafts: dict[int, Draft]) -> None:
         """Resolve the requests that have their tokens, and take them out of the lane."""
         done = [key for key, draft in drafts.items() if key in self._running
-                and len(draft.tokens) >= self._running[key].num_tokens]
-        live = [key for key in done if len(drafts[key].tokens) < self.num_draft]  # the lane keeps rows to num_draft
+                and (draft.stopped or len(draft.tokens) >= self._running[key].num_tokens)]
+        # the lane keeps a row until num_draft tokens or its stop rule; one that wanted fewer leaves now
+        live = [key for key in done if not drafts[key].stopped and len(drafts[key].tokens) < self.num_draft]
         if live:
             lane.release(live)
         for key in done:

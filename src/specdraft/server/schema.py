@@ -58,7 +58,8 @@ def draft_sampling(request: BaseModel) -> DraftSampling:
     return DraftSampling(params=sampling.params() if sampling else SamplingParams(),
                          seed=sampling.seed if sampling else None,
                          return_probs=request.return_probs,  # type: ignore[attr-defined]
-                         top_alternatives=request.top_alternatives)  # type: ignore[attr-defined]
+                         top_alternatives=request.top_alternatives,  # type: ignore[attr-defined]
+                         stop_confidence=request.stop_confidence)  # type: ignore[attr-defined]
 
 
 class DraftResponse(BaseModel):
@@ -74,6 +75,9 @@ class DraftResponse(BaseModel):
                           "probabilities, e.g. the zeros of greedy or of a top-k/top-p cut, in logit order)")
     top_probs: list[list[float]] | None = Field(
         None, description="only with top_alternatives: the probabilities of top_ids, descending")
+    stop_reason: Literal["length", "confidence"] | None = Field(
+        None, description="only with stop_confidence: why the draft ended -- 'length': it has num_tokens tokens; "
+                          "'confidence': its last token's confidence fell below stop_confidence, so it has fewer")
 
 
 class ErrorDetail(BaseModel):
@@ -110,7 +114,7 @@ class Health(BaseModel):
 def draft_request_model(vocab_size: int, max_context: int, num_draft: int) -> type[BaseModel]:
     """``DraftRequest`` for one loaded draft: token ids strictly ints in [0, vocab_size), at most
     ``max_context`` of them; ``num_tokens`` in [1, num_draft], default num_draft; the optional sampling block,
-    ``return_probs`` and ``top_alternatives`` (at most the vocabulary)."""
+    ``return_probs``, ``top_alternatives`` (at most the vocabulary) and ``stop_confidence`` (in (0, 1])."""
     token_id = Annotated[int, Strict(), Field(ge=0, le=vocab_size - 1)]
     top_limit = min(MAX_TOP_ALTERNATIVES, vocab_size)
     return create_model(
@@ -136,6 +140,14 @@ def draft_request_model(vocab_size: int, max_context: int, num_draft: int) -> ty
         top_alternatives=(Annotated[int, Strict(), Field(
             ge=0, le=top_limit, description=f"add top_ids and top_probs: the k most likely tokens at each drafted "
                                             f"position (0..{top_limit}; needs return_probs)")], 0),
+        # A threshold on each token's own probability, not the in-process default (the calibrated rule): that one
+        # needs acceptance rates learnt from what the target kept, which a stateless server never sees.
+        stop_confidence=(Annotated[float | None, Strict(), Field(
+            gt=0, le=1, allow_inf_nan=False,
+            description="end the draft after the first token whose confidence is below this (that token included): "
+                        "a greedy token's probability under the draft's softmax, a sampled token's under the "
+                        "distribution it was drawn from. The answer then says why it ended (stop_reason) and may "
+                        "hold fewer than num_tokens tokens; absent or null: always num_tokens")], None),
         __validators__={"needs_return_probs": field_validator("top_alternatives")(_needs_return_probs)},
     )
 
@@ -196,7 +208,7 @@ def _allowed_fields(loc: Iterable[Any]) -> list[str]:
     inside = [p for p in loc if p != "body"][:-1]
     if inside[:1] == ["sampling"]:
         return list(SamplingRequest.model_fields)
-    return ["token_ids", "num_tokens", "sampling", "return_probs", "top_alternatives"]
+    return ["token_ids", "num_tokens", "sampling", "return_probs", "top_alternatives", "stop_confidence"]
 
 
 # JSON's names for Python's types, bool before int (a bool is an int)
