@@ -5,6 +5,10 @@ seed}, ``return_probs`` and ``top_alternatives`` (at most ``MAX_TOP_ALTERNATIVES
 ``draft_probs`` (q of each drafted token) and ``top_ids`` / ``top_probs`` (q's most likely tokens at each
 position). Without those fields a request is today's greedy one.
 
+``stop_confidence`` t asks the server to end each draft after the first token whose confidence is below t (the
+"probability" stop rule of an in-process draft): the draft may then be shorter than asked, which a speculative
+loop takes as it takes any short draft, and the server spends no decode steps on the rest.
+
 A server that cannot keep up answers 503 with ``Retry-After`` (overloaded, queue full, timed out, still loading).
 The client honours it: it waits as told and sends the request again, and halves how many requests it keeps in
 flight (``AdaptiveLimit``, additive increase after successes, as TCP's congestion window), so a slow server makes
@@ -46,10 +50,19 @@ def _prob_list(value: Any) -> bool:
                                            and math.isfinite(p) and 0 <= p <= 1 for p in value)
 
 
-def sampling_request(context: Sequence[int], num_tokens: int, params: SamplingParams, seed: int | None) -> dict:
+def draft_request(context: Sequence[int], num_tokens: int, stop_confidence: float | None = None) -> dict:
+    """The ``POST /draft`` body for a greedy draft; ``stop_confidence`` only when set (absent: num_tokens always)."""
+    body: dict[str, Any] = {"token_ids": [int(t) for t in context], "num_tokens": int(num_tokens)}
+    if stop_confidence is not None:
+        body["stop_confidence"] = float(stop_confidence)
+    return body
+
+
+def sampling_request(context: Sequence[int], num_tokens: int, params: SamplingParams, seed: int | None,
+                     stop_confidence: float | None = None) -> dict:
     """The ``POST /draft`` body for a draft sampled under ``params``, with every alternative the server gives."""
     alternatives = params.top_k if 0 < params.top_k <= MAX_TOP_ALTERNATIVES else MAX_TOP_ALTERNATIVES
-    return {"token_ids": [int(t) for t in context], "num_tokens": int(num_tokens),
+    return {**draft_request(context, num_tokens, stop_confidence),
             "sampling": {"temperature": float(params.temperature), "top_p": float(params.top_p), "top_k": params.top_k,
                          "seed": seed},
             "return_probs": True, "top_alternatives": 0 if params.greedy else alternatives}
@@ -132,14 +145,19 @@ class HTTPDrafter(Drafter):
 
     Keeps each request's latency (seconds; of the answered attempt); ``take_latencies()`` returns and clears them.
     ``backpressure`` counts the retries, the seconds waited and the lowest concurrency reached.
+    ``stop_confidence`` (in (0, 1]; None: every draft as long as asked) goes with every request.
     """
 
     def __init__(self, url: str, concurrency: int = 8, timeout: float = 120.0, name: str | None = None,
-                 transport: httpx.BaseTransport | None = None, patience_s: float = DEFAULT_PATIENCE_S):
+                 transport: httpx.BaseTransport | None = None, patience_s: float = DEFAULT_PATIENCE_S,
+                 stop_confidence: float | None = None):
+        if stop_confidence is not None and not 0 < stop_confidence <= 1:
+            raise ValueError(f"stop_confidence must be in (0, 1] (None: no stop), got {stop_confidence!r}")
         self.url = url.rstrip("/")
         self.concurrency = concurrency
         self.name = name or self.url
         self.patience_s = patience_s
+        self.stop_confidence = stop_confidence
         self._named = name is not None
         self._client = httpx.Client(base_url=self.url, timeout=timeout, transport=transport,
                                     limits=httpx.Limits(max_connections=concurrency,
@@ -215,10 +233,11 @@ class HTTPDrafter(Drafter):
         return answer
 
     def draft_one(self, context: Sequence[int], num_tokens: int) -> list[int]:
-        answer = self._post({"token_ids": [int(t) for t in context], "num_tokens": int(num_tokens)})
+        answer = self._post(draft_request(context, num_tokens, self.stop_confidence))
         ids = answer.get("draft_ids")
-        if not _int_list(ids):
-            raise DrafterError(f"{self.url}/draft: 'draft_ids' is not a list of ints: {str(answer)[:200]}")
+        if not _int_list(ids) or len(ids) > num_tokens:
+            raise DrafterError(f"{self.url}/draft: 'draft_ids' is not a list of at most {num_tokens} ints: "
+                               f"{str(answer)[:200]}")
         return ids
 
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
@@ -233,7 +252,7 @@ class HTTPDrafter(Drafter):
             return super().draft_with_probs(contexts, num_tokens, params, generator)
         # seeds drawn here, in the contexts' order, so concurrency does not change which context gets which
         seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) for _ in contexts]
-        bodies = [sampling_request(c, num_tokens, params, s) for c, s in zip(contexts, seeds)]
+        bodies = [sampling_request(c, num_tokens, params, s, self.stop_confidence) for c, s in zip(contexts, seeds)]
         answers = (list(self._pool.map(self._post, bodies)) if len(bodies) > 1
                    else [self._post(b) for b in bodies])
         return [parse_sampled(a, f"{self.url}/draft") for a in answers]

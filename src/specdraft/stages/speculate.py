@@ -103,7 +103,9 @@ class SpeculateConfig(StageConfig):
                                   "k -- when the estimated probability that the whole draft so far is accepted, "
                                   "learnt during the run from what the target kept, falls below --draft-confidence "
                                   "('calibrated'), or after a token whose own probability does ('probability', "
-                                  "transformers' assisted generation); 'both' times the second too, as '<name>-prob'")
+                                  "transformers' assisted generation); 'both' times the second too, as "
+                                  "'<name>-prob'. A draft server (--draft http://...) stops by 'probability' alone "
+                                  "(its request's stop_confidence); with the other rules it drafts k")
     draft_confidence: float | None = Field(
         None, ge=0.0, le=1.0,
         description=f"the --draft-stop rule's threshold (null: each rule's default, {DEFAULT_DRAFT_CONFIDENCE}; "
@@ -285,6 +287,15 @@ def in_process_settings(config: SpeculateConfig, spec: DrafterSpec) -> InProcess
     return InProcessSettings("keep", lean, compiled, stop, config.stop_threshold(stop))
 
 
+def server_stop_confidence(config: SpeculateConfig) -> float | None:
+    """The draft server's ``stop_confidence``: the probability rule's threshold when --draft-stop asks for that rule
+    (0: none). The calibrated rule learns acceptance rates from what the target kept, which the stateless server
+    never sees, so with it (the default) the server drafts k tokens as it always did."""
+    if config.draft_stop != "probability":
+        return None
+    return config.stop_threshold("probability") or None
+
+
 def _build(specs: list[DrafterSpec], min_ngram: int | None,
            model_drafter: Callable[[DrafterSpec], tuple[Drafter, dict]]) -> list[BuiltDrafter]:
     """Prompt lookup and the drafters behind it, any engine; ``model_drafter`` makes the others."""
@@ -305,7 +316,9 @@ def build_drafters(config: SpeculateConfig, target_tokenizer) -> list[BuiltDraft
 
     def model_drafter(spec: DrafterSpec) -> tuple[Drafter, dict]:
         if spec.role == "server":
-            return HTTPDrafter(config.draft, concurrency=1, name=spec.name), {"kind": "http", "url": config.draft}
+            stop = server_stop_confidence(config)
+            return (HTTPDrafter(config.draft, concurrency=1, name=spec.name, stop_confidence=stop),
+                    {"kind": "http", "url": config.draft, "stop_confidence": stop})
         key = spec.alias or spec.role  # the --draft, or an --also-draft's NAME
         if key not in loaded:
             path = config.draft if key == "draft" else config.also_drafts[key]
