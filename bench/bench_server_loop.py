@@ -1,8 +1,11 @@
-"""The draft server in a speculation loop, with and without reusing what it computed (its prefix cache).
+"""The draft server in a speculation loop, with and without reusing what it computed (its prefix cache), or with
+and without ending drafts early by their own confidence (--stop-confidence).
 
   .venv/bin/python bench/bench_server_loop.py                      # the stand-in draft, SmolLM2-135M-Instruct target
   .venv/bin/python bench/bench_server_loop.py --tiny --new-tokens 48   # tiny random models: a quick check
   .venv/bin/python bench/bench_server_loop.py --draft-dir runs/demo/model --name server_loop_demo
+  .venv/bin/python bench/bench_server_loop.py --draft-dir runs/bench_server/target-packed --stop-confidence 0.4 \
+      --name server_loop_stop                                       # drafts that stop, against full drafts
 
 The loop as a speculative decoder runs it: each call sends `POST /draft` the prompt and every token generated so
 far; the matching prefix of the 16 drafted tokens is accepted, plus the target's next token, and the next call sends
@@ -17,8 +20,14 @@ random Qwen3 as the target and itself packed as the draft.
 For each --loops count C (default 1 and 4: C loops side by side, each working through --prompts-per-loop prompts
 of its own) and each setting -- reuse (the server's default prefix cache) and no reuse (`--prefix-cache-mb 0`,
 every context prefilled whole) -- a fresh `specdraft serve`, a warm-up on a prompt the levels do not use, then the
-loops. The two settings take turns going first from one level to the next. The compute format: the first server's
+loops. The settings take turns going first from one level to the next. The compute format: the first server's
 `--compute auto` choice, given explicitly to every other server (one measurement at load per run).
+
+With --stop-confidence T [T ...] the settings are instead, reuse on in each: `full` (requests as today, every draft
+--num-draft tokens) and `stop_T` for each T (every request carries `"stop_confidence": T`, so a draft ends after its
+first token whose confidence is below T, and the server spends no decode steps on the rest). Each stopped setting
+reports its ratios to `full`, the tokens drafted per call and the share of calls stopped early, and the share of the
+contexts both sent where its draft is the full draft's prefix (bit for bit, as the server promises).
 
 Per level and setting: server time per generated token (the calls' latencies summed over the tokens the loops
 generated: what a loop waits per token) and generated tokens per second (over the level's wall time), p50 / p99 of a
@@ -26,7 +35,7 @@ call, calls and mean accepted length, context tokens reused and computed (the se
 RSS; the reuse / no-reuse ratios; and the share of identical drafts on the contexts both settings sent (with reuse
 the server prefills in blocks, without it whole: the last bits of the logits may differ, and a near-tie flip).
 
-Writes ``bench/results/server_loop.<cpu class>.json`` and --out.
+Writes ``bench/results/NAME.<cpu class>.json`` (--name, default server_loop) and --out.
 """
 
 from __future__ import annotations
@@ -54,7 +63,13 @@ log = logging.getLogger("specdraft.bench")
 
 REPO = Path(__file__).resolve().parents[1]
 MT_BENCH = REPO.parent / "shared" / "data" / "dev" / "mt_bench.jsonl"
-SETTINGS = {"reuse": [], "no_reuse": ["--prefix-cache-mb", "0"]}
+# setting -> (the server's extra arguments, fields added to every request)
+REUSE_SETTINGS = {"reuse": ([], {}), "no_reuse": (["--prefix-cache-mb", "0"], {})}
+
+
+def stop_settings(thresholds: list[float]) -> dict[str, tuple[list[str], dict[str, Any]]]:
+    """Full drafts and, for each threshold, drafts that stop: all with the server's default prefix cache."""
+    return {"full": ([], {}), **{f"stop_{t:g}": ([], {"stop_confidence": t}) for t in thresholds}}
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -118,21 +133,25 @@ def target_runs(args, target: str, texts: list[str]) -> list[dict[str, list[int]
 
 # ---------------------------------------------------------------------------------------------- the loop
 
-def speculate(url: str, run: dict[str, list[int]], num_draft: int, calls: list[dict[str, Any]]) -> int:
-    """One prompt's loop to the end of the target's tokens; appends each call; returns the tokens generated."""
+def speculate(url: str, run: dict[str, list[int]], num_draft: int, calls: list[dict[str, Any]],
+              fields: dict[str, Any] | None = None) -> int:
+    """One prompt's loop to the end of the target's tokens (``fields`` added to every request); appends each call;
+    returns the tokens generated."""
     prompt, target = run["prompt_ids"], run["target_ids"]
     generated = 0
     with httpx.Client(base_url=url, timeout=120, trust_env=False) as client:
         while generated < len(target):
             context = prompt + target[:generated]
             started = time.perf_counter()
-            r = client.post("/draft", json={"token_ids": context, "num_tokens": num_draft})
+            r = client.post("/draft", json={"token_ids": context, "num_tokens": num_draft, **(fields or {})})
             seconds = time.perf_counter() - started
             r.raise_for_status()
-            draft = r.json()["draft_ids"]
+            answer = r.json()
+            draft = answer["draft_ids"]
             accepted = accepted_length(draft, target[generated:generated + num_draft])
             calls.append({"context": len(context), "seconds": seconds, "accepted": accepted,
-                          "key": hash(tuple(context)), "draft": draft})
+                          "key": hash(tuple(context)), "draft": draft,
+                          "stopped": answer.get("stop_reason") == "confidence"})
             generated += accepted + 1
     return len(target)
 
@@ -143,11 +162,13 @@ def counters(url: str) -> dict[str, float]:
 
 
 def run_level(args, draft_dir: Path, runs: list[dict], warmup: dict, loops: int, setting: str,
+              settings: dict[str, tuple[list[str], dict[str, Any]]],
               compute_args: list[str]) -> tuple[dict[str, Any], list[str]]:
     """One fresh server, ``loops`` loops through ``runs``; its figures, and the compute arguments it ran with."""
     log_path = Path(args.work) / f"server-loop-{loops}-{setting}.log"
-    extra = ["--threads", str(args.threads), *compute_args, *SETTINGS[setting]] if args.threads else \
-        [*compute_args, *SETTINGS[setting]]
+    server_args, fields = settings[setting]
+    extra = ["--threads", str(args.threads), *compute_args, *server_args] if args.threads else \
+        [*compute_args, *server_args]
     with ServerProcess(draft_dir, log_path, extra) as server:
         ok, what = server.wait_ready(args.start_timeout)
         if not ok:
@@ -156,13 +177,13 @@ def run_level(args, draft_dir: Path, runs: list[dict], warmup: dict, loops: int,
         choice = httpx.get(url + "/health", trust_env=False).json()["compute_choice"]
         compute_args = ["--compute", choice["compute"], "--int4-prefill", choice["prefill"]] \
             if choice["compute"] == "int4" else ["--compute", choice["compute"]]
-        speculate(url, warmup, args.num_draft, [])
+        speculate(url, warmup, args.num_draft, [], fields)
         before = counters(url)
         calls: list[dict[str, Any]] = []
         with RssSampler(server.proc.pid, every=0.5) as rss, ThreadPoolExecutor(loops) as pool:
             started = time.perf_counter()
-            tokens = sum(pool.map(lambda i: sum(speculate(url, run, args.num_draft, calls) for run in runs[i::loops]),
-                                  range(loops)))
+            tokens = sum(pool.map(lambda i: sum(speculate(url, run, args.num_draft, calls, fields)
+                                                for run in runs[i::loops]), range(loops)))
             wall = time.perf_counter() - started
         after = counters(url)
     seconds = [c["seconds"] for c in calls]
@@ -172,6 +193,8 @@ def run_level(args, draft_dir: Path, runs: list[dict], warmup: dict, loops: int,
                "ms_per_token": 1000 * sum(seconds) / tokens, "tokens_per_s": tokens / wall,
                "p50_ms": 1000 * percentile(seconds, 50), "p99_ms": 1000 * percentile(seconds, 99),
                "mean_accepted": statistics.mean(c["accepted"] for c in calls),
+               "mean_drafted": statistics.mean(len(c["draft"]) for c in calls),
+               "stopped_calls": sum(c["stopped"] for c in calls) / len(calls),
                "mean_context_tokens": statistics.mean(c["context"] for c in calls),
                "context_tokens_reused": reused, "context_tokens_computed": computed,
                "rss_mb_peak": rss.peak_mb, "rss_mb_end": rss.samples[-1][1] if rss.samples else None,
@@ -185,6 +208,16 @@ def run_level(args, draft_dir: Path, runs: list[dict], warmup: dict, loops: int,
 def identical(a: dict[int, list[int]], b: dict[int, list[int]]) -> dict[str, Any]:
     both = set(a) & set(b)
     return {"contexts_both_sent": len(both), "identical_drafts": sum(a[k] == b[k] for k in both) / max(1, len(both))}
+
+
+def prefixes(stopped: dict[int, list[int]], full: dict[int, list[int]]) -> dict[str, Any]:
+    """On the contexts both sent, the share where the stopped draft is the full draft's prefix."""
+    both = set(stopped) & set(full)
+    return {"contexts_both_sent": len(both),
+            "prefix_of_full": sum(full[k][:len(stopped[k])] == stopped[k] for k in both) / max(1, len(both))}
+
+
+RATIO_KEYS = ("ms_per_token", "tokens_per_s", "p50_ms", "p99_ms")
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -207,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to be healthy")
     p.add_argument("--name", default="server_loop", help="the result's name: bench/results/NAME.<cpu class>.json "
                                                          "(--tiny adds _tiny)")
+    p.add_argument("--stop-confidence", type=float, nargs="+", default=None,
+                   help="compare full drafts with drafts that stop at each of these thresholds (reuse on in all) "
+                        "instead of reuse with no reuse")
     args = p.parse_args(argv)
     log_to_console()
 
@@ -215,23 +251,32 @@ def main(argv: list[str] | None = None) -> int:
     texts, source = load_prompts(args, most + 1)
     runs = target_runs(args, target, texts)
     warmup, runs = runs[-1], runs[:most]
+    settings = REUSE_SETTINGS if args.stop_confidence is None else stop_settings(args.stop_confidence)
     compute_args = ["--compute", args.compute]
     levels = []
     for n, loops in enumerate(args.loops):
-        order = list(SETTINGS) if n % 2 == 0 else list(SETTINGS)[::-1]
+        names = list(settings)
+        order = names[n % len(names):] + names[:n % len(names)]  # each level another setting goes first
         level: dict[str, Any] = {"loops": loops, "prompts": loops * args.prompts_per_loop, "first": order[0]}
         for setting in order:
             level[setting], compute_args = run_level(args, draft_dir, runs[:loops * args.prompts_per_loop], warmup,
-                                                     loops, setting, compute_args)
-        level["agreement"] = identical(level["reuse"].pop("drafts"), level["no_reuse"].pop("drafts"))
-        level["reuse_vs_no_reuse"] = {k: level["reuse"][k] / level["no_reuse"][k]
-                                      for k in ("ms_per_token", "tokens_per_s", "p50_ms", "p99_ms")}
+                                                     loops, setting, settings, compute_args)
+        drafts = {setting: level[setting].pop("drafts") for setting in settings}
+        if args.stop_confidence is None:
+            level["agreement"] = identical(drafts["reuse"], drafts["no_reuse"])
+            level["reuse_vs_no_reuse"] = {k: level["reuse"][k] / level["no_reuse"][k] for k in RATIO_KEYS}
+        else:
+            for setting in names[1:]:
+                level[f"{setting}_agreement"] = prefixes(drafts[setting], drafts["full"])
+                level[f"{setting}_vs_full"] = {k: level[setting][k] / level["full"][k] for k in RATIO_KEYS}
         levels.append(level)
     figures = {"draft": what, "draft_dir": str(draft_dir), "target": target, "prompts": source,
                "new_tokens": args.new_tokens, "num_draft": args.num_draft, "prompts_per_loop": args.prompts_per_loop,
                "mean_prompt_tokens": statistics.mean(len(r["prompt_ids"]) for r in runs),
                "mean_target_tokens": statistics.mean(len(r["target_ids"]) for r in runs),
-               "server_args": {k: v for k, v in SETTINGS.items()}, "compute": compute_args[1:], "levels": levels}
+               "server_args": {k: v[0] for k, v in settings.items()},
+               "request_fields": {k: v[1] for k, v in settings.items()}, "compute": compute_args[1:],
+               "levels": levels}
     save_result(args.name + ("_tiny" if args.tiny else ""), figures, args.out)
     print_table(figures)
     return 0
@@ -239,18 +284,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(figures: dict[str, Any]) -> None:
     print(f"\n{figures['draft']}; prompts: {figures['prompts']}; compute {' '.join(figures['compute'])}")
-    print(f"{'loops':>6} {'setting':>9} {'ms/token':>9} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'calls':>6} "
-          f"{'accepted':>9} {'reused':>8} {'computed':>9} {'RSS MB':>7}")
+    print(f"{'loops':>6} {'setting':>10} {'ms/token':>9} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'calls':>6} "
+          f"{'accepted':>9} {'drafted':>8} {'stopped':>8} {'reused':>8} {'computed':>9} {'RSS MB':>7}")
     for level in figures["levels"]:
-        for setting in SETTINGS:
+        for setting in figures["server_args"]:
             f = level[setting]
-            print(f"{level['loops']:>6} {setting:>9} {f['ms_per_token']:9.1f} {f['tokens_per_s']:9.2f} "
+            print(f"{level['loops']:>6} {setting:>10} {f['ms_per_token']:9.1f} {f['tokens_per_s']:9.2f} "
                   f"{f['p50_ms']:8.0f} {f['p99_ms']:8.0f} {f['calls']:6d} {f['mean_accepted']:9.2f} "
-                  f"{f['context_tokens_reused']:8.0f} {f['context_tokens_computed']:9.0f} {f['rss_mb_peak'] or 0:7.0f}")
-        ratio = level["reuse_vs_no_reuse"]
-        print(f"{'':>6} {'ratio':>9} {ratio['ms_per_token']:9.2f} {ratio['tokens_per_s']:9.2f} {ratio['p50_ms']:8.2f} "
-              f"{ratio['p99_ms']:8.2f}   identical drafts {level['agreement']['identical_drafts']:.3f} of "
-              f"{level['agreement']['contexts_both_sent']}")
+                  f"{f['mean_drafted']:8.2f} {f['stopped_calls']:8.2f} {f['context_tokens_reused']:8.0f} "
+                  f"{f['context_tokens_computed']:9.0f} {f['rss_mb_peak'] or 0:7.0f}")
+        for name, ratio in level.items():
+            if name.endswith(("_vs_no_reuse", "_vs_full")):
+                agreement = level.get("agreement") or level[name.replace("_vs_full", "_agreement")]
+                share = agreement.get("identical_drafts", agreement.get("prefix_of_full"))
+                print(f"{'':>6} {name:>10} {ratio['ms_per_token']:9.2f} {ratio['tokens_per_s']:9.2f} "
+                      f"{ratio['p50_ms']:8.2f} {ratio['p99_ms']:8.2f}   agreeing drafts {share:.3f} of "
+                      f"{agreement['contexts_both_sent']}")
 
 
 if __name__ == "__main__":
