@@ -320,7 +320,7 @@ def test_openapi_documents_the_limits(live):
     assert props["sampling"]["anyOf"][0]["$ref"] == "#/components/schemas/SamplingRequest"
     stop = props["stop_confidence"]["anyOf"][0]
     assert stop == {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
-    assert props["stop_confidence"]["default"] is None
+    assert "stop_confidence" not in req.get("required", [])  # optional
     sampling = schemas["SamplingRequest"]
     assert sampling["additionalProperties"] is False
     assert set(sampling["properties"]) == {"temperature", "top_p", "top_k", "seed"}
