@@ -15,11 +15,13 @@ class FakeLane:
     """A ``scheduler.Lane`` without a model: one token per step per row, ``expected`` of its context (whatever
     the row's sampling settings, which ``sampling`` records per key). Records every call; ``delay`` slows each
     model call, ``gate`` holds them, ``fail_when(context)`` raises; ``reuse(context)`` is what a prefix cache would
-    copy in (default: no cache)."""
+    copy in (default: no cache); a row whose sampling has a ``stop_confidence`` stops after ``stop_after`` tokens (None:
+never)."""
 
     def __init__(self, slots, capacity, num_draft, vocab=1000, delay=0.0, gate=None, fail_when=None, calls=None,
-                 hook=None, reuse=None):
+                 hook=None, reuse=None, stop_after=None):
         self.slots, self.capacity, self.num_draft, self.vocab = slots, capacity, num_draft, vocab
+        self.stop_after = stop_after
         self.reuse, self.block_tokens = reuse, 0
         self.delay, self.gate, self.fail_when, self.hook = delay, gate, fail_when, hook
         self.rows: dict[int, tuple[list[int], list[int]]] = {}  # key -> (context, tokens)
@@ -48,8 +50,10 @@ class FakeLane:
     def _emit(self, key):
         context, tokens = self.rows[key]
         tokens.append(expected(context, len(tokens) + 1, self.vocab)[-1])
-        out = Draft(list(tokens))
-        if len(tokens) >= self.num_draft:
+        stops = getattr(self.sampling.get(key), "stop_confidence", None) is not None
+        stopped = stops and self.stop_after is not None and len(tokens) >= self.stop_after
+        out = Draft(list(tokens), stopped=stopped and len(tokens) < self.num_draft)
+        if len(tokens) >= self.num_draft or stopped:
             del self.rows[key]
         return out
 

@@ -185,6 +185,24 @@ def test_work_that_cannot_meet_its_deadline_is_refused_at_once():
         s.close(10)
 
 
+def test_admission_expects_a_request_that_may_stop_to_draft_what_such_requests_drafted_lately():
+    """A request carrying stop_confidence is costed at the tokens stopping requests drafted, not its num_tokens: on an
+    idle server whose drafts stop after their first token it is taken, where 16 steps would miss its deadline, and
+    it leaves its lane without a release; a full request stays costed at its num_tokens."""
+    short = FakeLane(4, 8 + 16, 16, delay=0.05, stop_after=1)
+    s = Scheduler(short, None, num_draft=16, long_context_tokens=8).start()
+    stop = DraftSampling(stop_confidence=0.5)
+    try:
+        first = s.submit([1, 2], 16, 60, stop).future.result(10)  # measures the costs
+        assert first.tokens == expected([1, 2], 1) and first.stopped and short.free == 4
+        assert s.costs.stop_tokens == 1
+        assert s.submit([3, 4], 16, 0.4, stop).future.result(10).tokens == expected([3, 4], 1)
+        with pytest.raises(Overloaded):
+            s.submit([5, 6], 16, 0.4)  # 16 iterations of >= 0.05 s cannot fit in 0.4 s
+    finally:
+        s.close(10)
+
+
 def test_long_work_that_cannot_meet_its_deadline_is_refused_at_once_without_short_traffic():
     s = Scheduler(FakeLane(2, 16, 4), FakeLane(1, 64, 4, delay=0.1), num_draft=4, long_context_tokens=8,
                   prefill_tokens=8).start()

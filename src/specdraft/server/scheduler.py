@@ -12,9 +12,10 @@ iteration it
    the short requests by one chunk per iteration, never by its whole prefill.
 
 A request whose deadline the work ahead of it cannot meet, by the measured cost of iterations and prefill
-tokens, is refused at once (``Overloaded``: 503 + Retry-After) instead of timing out later; a long one that can
-no longer meet it when its turn comes is dropped before its prefill. ``close`` stops
-taking requests, lets the running ones finish until its timeout, fails the rest, and joins the worker.
+tokens (and, for one that may stop early, the tokens such requests drafted lately), is refused at once
+(``Overloaded``: 503 + Retry-After) instead of timing out later; a long one that can no longer meet it when its
+turn comes is dropped before its prefill. ``close`` stops taking requests, lets the running ones finish until its
+timeout, fails the rest, and joins the worker.
 
 The model side is two ``Lane`` objects (``server.engine.SlotLane``: a ``SlotDecoder`` keyed by request). Each
 request carries its own ``DraftSampling`` (greedy, or sampled with its own seeded generator, with or without
@@ -170,6 +171,10 @@ class Costs:
     # a long context's chunk attends over all of its prefix, so its tokens cost more than a short prefill's
     long_per_token: float | None = None
     long_step: float = 0.0  # seconds of the long lane's decode step, in the iterations that ran one
+    # tokens drafted by the requests whose stop rule may end them early (``DraftSampling.stop_confidence``): what
+    # admission expects such a request to cost in decode steps, not its num_tokens (a request that stops after its
+    # first token would otherwise be costed at num_tokens iterations of the prefill that dominates its life)
+    stop_tokens: float | None = None
 
     @staticmethod
     def blend(old: float | None, new: float) -> float:
@@ -262,7 +267,7 @@ class Scheduler:
                 raise QueueFullError(f"request queue is full ({queued} waiting)")
             long = len(context) > self.long_context_tokens
             cached = (self.long if long and self.long is not None else self.short).cached(context)
-            estimate = self._estimate(len(context) - cached, num_tokens, long)
+            estimate = self._estimate(len(context) - cached, self._expected_tokens(num_tokens, sampling), long)
             if estimate is not None and estimate > timeout_s:
                 raise Overloaded(f"the work ahead would take about {estimate:.1f}s, past this request's "
                                  f"{timeout_s:g}s deadline", retry_after=estimate - timeout_s)
@@ -288,6 +293,13 @@ class Scheduler:
         self._fail_all(ShuttingDownError("the server shut down before this request was answered"), REFUSED_SHUTDOWN)
 
     # ----------------------------------------------------------------------------------------- estimates
+
+    def _expected_tokens(self, num_tokens: int, sampling: DraftSampling) -> int:
+        """The decode steps a request is expected to take: num_tokens, or for one that may stop early the tokens such
+        requests drafted lately (num_tokens until one has been answered)."""
+        if sampling.stop_confidence is None or self.costs.stop_tokens is None:
+            return num_tokens
+        return max(1, min(num_tokens, math.ceil(self.costs.stop_tokens)))
 
     def _estimate(self, context_tokens: int, num_tokens: int, long: bool) -> float | None:
         """Seconds until a new request with ``context_tokens`` to compute would be answered, from the running costs
@@ -450,8 +462,11 @@ class Scheduler:
         for key in done:
             r = self._running.pop(key)
             r.outcome = ANSWERED
+            answer = drafts[key].head(r.num_tokens)
+            if r.sampling.stop_confidence is not None:
+                self.costs.stop_tokens = Costs.blend(self.costs.stop_tokens, len(answer.tokens))
             if not r.future.done():
-                r.future.set_result(drafts[key].head(r.num_tokens))
+                r.future.set_result(answer)
 
     def _admit_short(self) -> int:
         """Prefill waiting short contexts, whole, within the iteration's budget of tokens to compute: those of one
@@ -492,8 +507,8 @@ class Scheduler:
             while waiting and self.long.free:
                 # one that can no longer finish by its deadline is dropped before any of it is computed
                 head = waiting[0]
-                seconds = self._long_seconds(len(head.context) - self.long.cached(head.context), head.num_tokens,
-                                             busy)
+                seconds = self._long_seconds(len(head.context) - self.long.cached(head.context),
+                                             self._expected_tokens(head.num_tokens, head.sampling), busy)
                 now = time.monotonic()
                 if seconds is None or now + seconds <= head.deadline:
                     break
