@@ -203,6 +203,34 @@ def test_admission_expects_a_request_that_may_stop_to_draft_what_such_requests_d
         s.close(10)
 
 
+def test_stopping_rows_beside_a_cancelled_one_and_full_ones_each_get_their_answer():
+    """In one lane: a request that stops after 3 tokens, one that stops only at its own length (never early), a full
+    one, and a stopping one cancelled while it runs: the first is answered early and leaves without a release, the
+    cancelled one is dropped, the others get all their tokens, and the lane ends empty."""
+    short = FakeLane(4, 8 + 16, 16, delay=0.01, stop_after=3)
+    releases = []
+    release = short.release
+    short.release = lambda keys: (releases.append(list(keys)), release(keys))
+    observer = Recorder()
+    s = Scheduler(short, None, num_draft=16, long_context_tokens=8, observer=observer).start()
+    stop = DraftSampling(stop_confidence=0.5)
+    try:
+        stopping = s.submit([1, 2], 16, 60, stop)
+        at_length = s.submit([3, 4], 3, 60, stop)  # its stop comes with its last token: a full answer
+        full = s.submit([5, 6], 16, 60)
+        cancelled = s.submit([7, 8], 16, 60, DraftSampling(stop_confidence=0.5, return_probs=True))
+        cancelled.cancel(CANCELLED)
+        got = stopping.future.result(10)
+        assert got.tokens == expected([1, 2], 3) and got.stopped
+        got = at_length.future.result(10)
+        assert got.tokens == expected([3, 4], 3) and not got.stopped
+        assert full.future.result(10).tokens == expected([5, 6], 16)
+    finally:
+        s.close(10)
+    assert (CANCELLED, False) in observer.drops or (CANCELLED, True) in observer.drops
+    assert not short.rows and not any(stopping.key in keys or at_length.key in keys for keys in releases)
+
+
 def test_long_work_that_cannot_meet_its_deadline_is_refused_at_once_without_short_traffic():
     s = Scheduler(FakeLane(2, 16, 4), FakeLane(1, 64, 4, delay=0.1), num_draft=4, long_context_tokens=8,
                   prefill_tokens=8).start()
