@@ -147,16 +147,36 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
         result = json.loads(path.read_text())
         fig = result["figures"]
         levels = fig["levels"]
-        rows.append((f"`specdraft serve` in a speculation loop ({_loop_draft(fig)}): server time per generated "
-                     "token with prefix reuse against without, " + " / ".join(f"{lv['loops']}" for lv in levels)
-                     + " loop(s)", " / ".join(x(lv["reuse_vs_no_reuse"]["ms_per_token"]) for lv in levels),
-                     f"{machine(result)}, {result['date']}", path.name))
+        base, _ = _loop_settings(levels[0])
+        for name in _loop_settings(levels[0])[1]:
+            rows.append((f"`specdraft serve` in a speculation loop ({_loop_draft(fig)}): server time per generated "
+                         f"token, {_loop_setting_label(name)} against {_loop_setting_label(base)}, "
+                         + " / ".join(f"{lv['loops']}" for lv in levels) + " loop(s)",
+                         " / ".join(x(lv[f"{name}_vs_{base}"]["ms_per_token"]) for lv in levels),
+                         f"{machine(result)}, {result['date']}", path.name))
     return rows
 
 
 def _llama_cpp_agreement(fig: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's greedy tokens against the hf backend's (the same prompts: every thread count agrees)."""
     return next(r["vs_hf"] for r in fig["by_threads"][0]["runs"] if r["backend"] == "llama.cpp")
+
+
+# a loop result's settings (bench/bench_server_loop.py): the baseline first, then each compared with it
+LOOP_SETTINGS = {"no_reuse": "no prefix reuse", "reuse": "prefix reuse", "full": "full drafts"}
+
+
+def _loop_settings(level: dict[str, Any]) -> tuple[str, list[str]]:
+    """(the baseline setting, the settings compared with it) of one level of a loop result."""
+    compared = [k.split("_vs_")[0] for k in level if "_vs_" in k]
+    base = next(k.split("_vs_")[1] for k in level if "_vs_" in k)
+    return base, compared
+
+
+def _loop_setting_label(name: str) -> str:
+    if name.startswith("stop_"):
+        return f"stop_confidence {name.removeprefix('stop_')}"
+    return LOOP_SETTINGS.get(name, name)
 
 
 def _loop_draft(fig: dict[str, Any]) -> str:
@@ -222,24 +242,30 @@ def trace_backend_tables() -> str:
 
 
 def server_loop_tables() -> str:
-    """Per draft: the speculation loop against `specdraft serve` with and without prefix reuse."""
+    """Per loop result: each setting's server time per generated token against the result's baseline setting."""
     out: list[str] = []
     for path in sorted(RESULTS.glob("server_loop*.json")):
         result = json.loads(path.read_text())
         fig = result["figures"]
+        base, compared = _loop_settings(fig["levels"][0])
         out += [f"**{_loop_draft(fig)}** ({fig['draft']}), {machine(result)}, {result['date']}, `{result['command']}`"
                 f" ([{path.name}](bench/results/{path.name})): {fig['prompts']}, {fig['new_tokens']} target tokens "
                 f"a prompt, {fig['prompts_per_loop']} prompts a loop, compute `{' '.join(fig['compute'])}`.", "",
-                "| loops | calls | accepted per call | server ms per generated token, reuse / none | reuse ÷ none | "
-                "p50 / p99 per call, reuse / none | peak RSS, reuse / none | drafts identical with and without reuse |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "| loops | setting | calls | accepted / drafted per call | server ms per generated token | against "
+                f"{_loop_setting_label(base)} | p50 / p99 per call | peak RSS | drafts as the baseline's |",
+                "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for lv in fig["levels"]:
-            a, b = lv["reuse"], lv["no_reuse"]
-            out.append(f"| {lv['loops']} | {a['calls']} | {a['mean_accepted']:.2f} | {a['ms_per_token']:.0f} / "
-                       f"{b['ms_per_token']:.0f} | {x(lv['reuse_vs_no_reuse']['ms_per_token'])} | "
-                       f"{a['p50_ms']:.0f} / {a['p99_ms']:.0f} ms against {b['p50_ms']:.0f} / {b['p99_ms']:.0f} ms | "
-                       f"{a['rss_mb_peak']:.0f} / {b['rss_mb_peak']:.0f} MB | "
-                       f"{100 * lv['agreement']['identical_drafts']:.0f}% |")
+            for name in [base] + compared:
+                r = lv[name]
+                drafted = f"{r['mean_drafted']:.2f}" if "mean_drafted" in r else str(fig["num_draft"])
+                ratio = x(lv[f"{name}_vs_{base}"]["ms_per_token"]) if name != base else "1.00×"
+                agreement = lv.get(f"{name}_agreement") or lv.get("agreement") if name != base else None
+                same = ("—" if agreement is None else
+                        f"{100 * agreement.get('identical_drafts', agreement.get('prefix_of_full', 0)):.0f}% "
+                        + ("identical" if "identical_drafts" in agreement else "a prefix"))
+                out.append(f"| {lv['loops']} | {_loop_setting_label(name)} | {r['calls']} | "
+                           f"{r['mean_accepted']:.2f} / {drafted} | {r['ms_per_token']:.0f} | {ratio} | "
+                           f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f} ms | {r['rss_mb_peak']:.0f} MB | {same} |")
         out.append("")
     return "\n".join(out).rstrip() if out else "(no loop results yet: `bench/bench_server_loop.py`)"
 
