@@ -23,6 +23,9 @@ STAGES: dict[str, tuple[str, str, str, str]] = {
                 "build prompts.jsonl from a data manifest (dedup, quotas, contamination check)"),
     "traces": ("specdraft.stages.traces", "TracesConfig", "run_traces",
                "the target's greedy continuations of the prompts (resumable)"),
+    "conversations": ("specdraft.stages.conversations", "ConversationsConfig", "run_conversations",
+                      "training rows holding the target's own first answer: a follow-up turn after it, or it as a "
+                      "passage to summarise, translate or answer from"),
     "merge-traces": ("specdraft.stages.traces", "MergeTracesConfig", "run_merge_traces",
                      "merge the shards of one traces run (--shard i/n) into one traces file"),
     "validation": ("specdraft.stages.traces", "ValidationConfig", "run_validation",

@@ -449,7 +449,9 @@ def fixture_run(tmp_path_factory, tiny_qwen3_dir):
 def test_prompts_end_to_end(fixture_run):
     cfg, res = fixture_run
     rows = [json.loads(line) for line in res.out.read_text().splitlines()]
-    assert all({"id", "source", "prompt"} <= set(r) <= {"id", "source", "prompt", "response"} for r in rows)
+    assert all({"id", "source", "prompt"} <= set(r) <= {"id", "source", "prompt", "response", "followup"}
+               for r in rows)
+    assert all(r["source"] in ("ultrachat_parquet", "ultrachat_jsonl", "sharegpt") for r in rows if "followup" in r)
     with_answer = {r["source"] for r in rows if "response" in r}
     assert "gsm8k" in with_answer and "templates" not in with_answer  # templates have no reference answer
     assert len({r["id"] for r in rows}) == len(rows) == res.total

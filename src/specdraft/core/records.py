@@ -59,6 +59,7 @@ class PromptRecord:
     text: str | None = None
     ids: list[int] | None = None
     offset: int | None = None  # a validation point's offset into its prompt's continuation
+    followup: str | None = None  # prompts.jsonl: a chat's second user turn (`specdraft conversations` asks it)
 
 
 def read_prompts(path: str | os.PathLike, *, token_ids_allowed: bool = False,
@@ -116,7 +117,11 @@ def prompt_record(obj: Any, where: str, token_ids_allowed: bool = False, vocab: 
     if not isinstance(pid, (str, int)):
         raise RecordFileError(f"{where}: 'id' must be a string")
     source = str(obj.get("source", obj.get("category", "unknown")))
-    return PromptRecord(id=str(pid), source=source, category=str(obj.get("category", source)), text=obj["prompt"])
+    followup = obj.get("followup")
+    if followup is not None and not (isinstance(followup, str) and followup.strip()):
+        raise RecordFileError(f"{where}: 'followup' must be a non-empty string when present")
+    return PromptRecord(id=str(pid), source=source, category=str(obj.get("category", source)), text=obj["prompt"],
+                        followup=followup)
 
 
 def read_answers(path: str | os.PathLike, limit: int | None = None) -> tuple[list[dict[str, Any]], int]:

@@ -5,7 +5,9 @@ A *source* yields ``Record``s: the record's ordinal, a location for messages (``
 A *reader* turns a parsed record into a prompt string, returns None when the record holds no prompt (a chat
 with no user turn), or raises ``MalformedRecord`` when the record does not have the reader's shape. Its
 *response* reader returns the record's reference answer to that prompt (the first assistant turn after it,
-alpaca `output`, GSM8K `answer`, ...) or None; a missing or odd response is never an error. Responses are
+alpaca `output`, GSM8K `answer`, ...) or None; a missing or odd response is never an error. A chat's *follow-up*
+reader returns the user's next turn after that answer (what `specdraft conversations` asks after the target's own
+first answer), or None. Responses are
 not training targets themselves: `specdraft label` has the target label every position of them.
 """
 
@@ -160,6 +162,25 @@ def response_chat(rec: Any, f: dict[str, str]) -> str | None:
     return None
 
 
+def followup_chat(rec: Any, f: dict[str, str]) -> str | None:
+    """The user's next turn after the first answer (user, assistant, *user*): what a conversation asks once the first
+    prompt has been answered. None without one (a single turn, or the user spoke twice before any answer)."""
+    try:
+        turns = _turns(rec, f)
+    except MalformedRecord:
+        return None
+    if turns is None:
+        return None
+    roles = [(role.lower(), text) for role, text in turns]
+    first_user = next((i for i, (role, _) in enumerate(roles) if role in USER_ROLES), None)
+    if first_user is None or first_user + 2 >= len(roles):
+        return None
+    (answer_role, _), (next_role, text) = roles[first_user + 1], roles[first_user + 2]
+    if answer_role not in ASSISTANT_ROLES or next_role not in USER_ROLES:
+        return None
+    return text if isinstance(text, str) and text.strip() else None
+
+
 def response_alpaca(rec: Any, f: dict[str, str]) -> str | None:
     """Alpaca `output` (GPTeacher calls it `response`)."""
     return _text_field(rec, f["output"], f["response"])
@@ -179,6 +200,7 @@ class Reader:
     fields: dict[str, str]  # reader key -> default record key
     required_fields: tuple[str, ...] = ()  # keys the manifest must map (no default)
     response: Callable[[Any, dict[str, str]], str | None] | None = None
+    followup: Callable[[Any, dict[str, str]], str | None] | None = None  # chats: the user's second turn
 
     def bind(self, mapping: dict[str, str]) -> Callable[[Any], str | None]:
         fields = {**self.fields, **mapping}
@@ -189,11 +211,17 @@ class Reader:
         response = self.response
         return (lambda rec: None) if response is None else (lambda rec: response(rec, fields))
 
+    def bind_followup(self, mapping: dict[str, str]) -> Callable[[Any], str | None]:
+        fields = {**self.fields, **mapping}
+        followup = self.followup
+        return (lambda rec: None) if followup is None else (lambda rec: followup(rec, fields))
+
 
 READERS: dict[str, Reader] = {
     "chat": Reader(read_chat, {"messages": "messages", "role": "role", "content": "content",
                                "conversations": "conversations", "from": "from", "value": "value",
-                               "prompt": "prompt", "response": "response"}, response=response_chat),
+                               "prompt": "prompt", "response": "response"}, response=response_chat,
+                   followup=followup_chat),
     "oss_instruct": Reader(read_oss_instruct, {"problem": "problem", "solution": "solution"},
                            response=response_oss_instruct),
     "alpaca": Reader(read_alpaca, {"instruction": "instruction", "input": "input", "output": "output",
@@ -212,6 +240,11 @@ def get_reader(name: str, mapping: dict[str, str] | None = None) -> Callable[[An
 def get_response_reader(name: str, mapping: dict[str, str] | None = None) -> Callable[[Any], str | None]:
     """The bound response reader (returns None for readers without one)."""
     return READERS[name].bind_response(mapping or {})
+
+
+def get_followup_reader(name: str, mapping: dict[str, str] | None = None) -> Callable[[Any], str | None]:
+    """The bound follow-up reader: a chat's second user turn (returns None for readers without one)."""
+    return READERS[name].bind_followup(mapping or {})
 
 
 # ------------------------------------------------------------------------------------------------ sources

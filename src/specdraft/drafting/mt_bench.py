@@ -26,7 +26,7 @@ from specdraft.core.provenance import run_metadata
 from specdraft.core.records import json_rows, token_ids
 from specdraft.core.stage import summary_path
 from specdraft.data.mt_bench import MTBenchQuestion
-from specdraft.model.chat import has_chat_template
+from specdraft.model.chat import encode_conversation
 from specdraft.model.specs import describe_source, load_tokenizer, tokenizer_fingerprint
 from specdraft.model.trace_backend import TraceBackend
 
@@ -56,14 +56,10 @@ def continuation_points(pid: str, category: str, context: Sequence[int], continu
 def second_turn_context(tokenizer, question: MTBenchQuestion, answer_ids: Sequence[int]) -> list[int]:
     """The token ids of the conversation the second question is asked in: the first question, the target's own
     first answer (its text, as a chat client would send it back), the second question, the generation prompt."""
-    if not has_chat_template(tokenizer):
-        raise ValueError("a second turn is a conversation: the target's tokenizer has no chat template")
     answer = tokenizer.decode(list(answer_ids), skip_special_tokens=True)
-    messages = [{"role": "user", "content": question.turns[0]}, {"role": "assistant", "content": answer},
-                {"role": "user", "content": question.turns[1]}]
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
-                                             tokenize=False)
-    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return encode_conversation(tokenizer, [{"role": "user", "content": question.turns[0]},
+                                           {"role": "assistant", "content": answer},
+                                           {"role": "user", "content": question.turns[1]}])
 
 
 def read_answers(path: Path) -> dict[str, dict[str, Any]]:

@@ -21,3 +21,14 @@ def encode_prompts(tokenizer, texts: Sequence[str], chat_template: bool = True) 
         # transformers 5 returns a BatchEncoding from tokenize=True; render, then tokenize without extras.
         return [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]]
     return [list(ids) for ids in tokenizer(list(texts))["input_ids"]]
+
+
+def encode_conversation(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation (``{"role", "content"}`` messages, ending with a user turn) as a chat server
+    renders it for the next answer: the target's chat template, generation prompt added, thinking off. Training rows
+    and evaluation points over later turns both encode here, so a draft trains on the contexts it is measured on."""
+    if not has_chat_template(tokenizer):
+        raise ValueError("a conversation needs a chat template, and the target's tokenizer has none")
+    rendered = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, enable_thinking=False,
+                                             tokenize=False)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])

@@ -4,7 +4,9 @@ Order of the filters (each drop is counted per corpus under its reason):
   malformed -> no_prompt -> empty -> too_long (target tokenizer) -> contaminated (13-gram vs eval sets)
   -> duplicate (exact, after whitespace collapse) -> near_duplicate (MinHash LSH) -> over_quota.
 A clean prompt whose reference answer shares an n-gram with the eval sets keeps the prompt but loses the answer
-(`specdraft label` trains on answers), counted per corpus as response_contaminated.
+(`specdraft label` trains on answers), counted per corpus as response_contaminated; likewise a chat's follow-up
+(the user's second turn, which `specdraft conversations` asks after the target's first answer), counted as
+followup_contaminated.
 Earlier corpora in the manifest win duplicates. Quotas are sampled per corpus with a seeded RNG.
 """
 
@@ -30,6 +32,7 @@ from specdraft.data.readers import (
     DataSourceError,
     MalformedRecord,
     Record,
+    get_followup_reader,
     get_reader,
     get_response_reader,
     iter_file_records,
@@ -82,6 +85,7 @@ class Candidate:
     text: str
     tokens: int = 0
     response: str | None = None  # the record's reference answer, for `specdraft label`
+    followup: str | None = None  # a chat's second user turn, for `specdraft conversations`
 
 
 @dataclass
@@ -94,6 +98,8 @@ class CorpusStats:
     tokens: int = 0  # prompt tokens of the kept prompts
     with_response: int = 0  # kept prompts that carry the record's reference answer
     response_contaminated: int = 0  # answers removed for an eval n-gram (counted before dedup and quotas)
+    with_followup: int = 0  # kept prompts that carry the chat's second user turn
+    followup_contaminated: int = 0  # follow-ups removed for an eval n-gram (counted before dedup and quotas)
     dropped: Counter = field(default_factory=Counter)
     malformed_examples: list[str] = field(default_factory=list)
     source: dict[str, Any] = field(default_factory=dict)
@@ -103,6 +109,7 @@ class CorpusStats:
         return {"kind": self.kind, "read": self.read, "kept": self.kept, "requested": self.requested,
                 "shortfall": shortfall, "prompt_tokens": self.tokens, "with_response": self.with_response,
                 "response_contaminated": self.response_contaminated,
+                "with_followup": self.with_followup, "followup_contaminated": self.followup_contaminated,
                 "dropped": {r: self.dropped.get(r, 0) for r in DROP_REASONS},
                 "malformed_examples": self.malformed_examples, **self.source}
 
@@ -160,6 +167,7 @@ def _build(cfg: PromptsConfig, out: Path) -> PromptsResult:
             "dropped": dropped_total.get("contaminated", 0),
             "examples": examples,
             "responses_removed": sum(st.response_contaminated for st in stats.values()),
+            "followups_removed": sum(st.followup_contaminated for st in stats.values()),
             "response_examples": response_examples,
         },
         "provenance": _provenance(cfg, loaded, manifest_copy, stats, tokenizer_info, started),
@@ -213,6 +221,7 @@ def _decontaminate(cfg: PromptsConfig, candidates: list[Candidate], eval_texts: 
     candidates = _drop(candidates, bad, "contaminated", stats)
     log.info("contamination: %d prompts share a %d-gram with the eval sets", len(offending), cfg.contamination_ngram)
     response_examples = _strip_contaminated_responses(candidates, eval_texts, cfg.contamination_ngram, stats)
+    response_examples += _strip_contaminated_followups(candidates, eval_texts, cfg.contamination_ngram, stats)
     return candidates, examples, response_examples
 
 
@@ -252,6 +261,7 @@ def _select(cfg: PromptsConfig, candidates: list[Candidate], corpora: list[Corpu
         stats[c.corpus].kept += 1
         stats[c.corpus].tokens += c.tokens
         stats[c.corpus].with_response += c.response is not None
+        stats[c.corpus].with_followup += c.followup is not None
     return final
 
 
@@ -259,7 +269,8 @@ def _write_prompts(out: Path, final: list[Candidate], loaded: LoadedManifest) ->
     """prompts.jsonl, and the manifest copied beside it; returns the file's bytes and the copy's path."""
     width = max(6, len(str(max(c.index for c in final))))
     lines = [jsonl_line({"id": f"{c.corpus}-{c.index:0{width}d}", "source": c.corpus, "prompt": c.text,
-                         **({"response": c.response} if c.response is not None else {})})
+                         **({"response": c.response} if c.response is not None else {}),
+                         **({"followup": c.followup} if c.followup is not None else {})})
              for c in final]
     payload = ("\n".join(lines) + "\n").encode("utf-8")
     atomic_write_bytes(out, payload)
@@ -310,7 +321,7 @@ def _read_corpus(corpus: CorpusSpec, loaded: LoadedManifest, st: CorpusStats) ->
         st.source = {"path": corpus.path, "resolved_path": str(path), "sha256": sha256_file(path),
                      "generated": n, "seed": corpus.seed}
         st.read = len(pairs)
-        return _keep_texts(st, [(i, text, None) for i, (_, text) in enumerate(pairs)])
+        return _keep_texts(st, [(i, text, None, None) for i, (_, text) in enumerate(pairs)])
 
     if corpus.kind in ("local_file", "packaged"):
         path = loaded.resolved[corpus.name]
@@ -325,12 +336,13 @@ def _read_corpus(corpus: CorpusSpec, loaded: LoadedManifest, st: CorpusStats) ->
                      "subset": corpus.subset, "license": corpus.license, **meta}
     read = get_reader(corpus.reader, corpus.fields)
     read_response = get_response_reader(corpus.reader, corpus.fields)
-    texts: list[tuple[int, str, str | None]] = []
+    read_followup = get_followup_reader(corpus.reader, corpus.fields)
+    texts: list[tuple[int, str, str | None, str | None]] = []
     for rec in records:
         st.read += 1
         text = _read_one(rec, read, st)
         if text is not None:
-            texts.append((rec.index, text, read_response(rec.data)))
+            texts.append((rec.index, text, read_response(rec.data), read_followup(rec.data)))
     if st.read and st.dropped["malformed"] == st.read:
         log.warning("%s: every record is malformed for reader %r (wrong reader or field mapping?)",
                     corpus.name, corpus.reader)
@@ -356,15 +368,16 @@ def _read_one(rec: Record, read, st: CorpusStats) -> str | None:
     return None
 
 
-def _keep_texts(st: CorpusStats, texts: list[tuple[int, str, str | None]]) -> list[Candidate]:
+def _keep_texts(st: CorpusStats, texts: list[tuple[int, str, str | None, str | None]]) -> list[Candidate]:
     out = []
-    for index, raw, response in texts:
+    for index, raw, response, followup in texts:
         text = normalise_prompt(raw)
         if not text:
             st.dropped["empty"] += 1
             continue
         response = response.strip() if response else None  # kept verbatim inside: code needs its layout
-        out.append(Candidate(st.name, index, text, response=response or None))
+        followup = normalise_prompt(followup) if followup else None  # a user turn, normalised as prompts are
+        out.append(Candidate(st.name, index, text, response=response or None, followup=followup or None))
     return out
 
 
@@ -383,6 +396,21 @@ def _strip_contaminated_responses(candidates: list[Candidate], eval_texts: list[
     if answered:
         log.info("contamination: %d reference answers share a %d-gram with the eval sets (removed, prompts kept)",
                  sum(st.response_contaminated for st in stats.values()), n)
+    return examples
+
+
+def _strip_contaminated_followups(candidates: list[Candidate], eval_texts: list[str], n: int,
+                                  stats: dict[str, CorpusStats]) -> list[dict[str, Any]]:
+    """Remove the follow-ups (a chat's second user turn) that share an n-gram with the eval sets, the prompt kept;
+    returns up to MAX_REPORTED examples, marked as follow-ups."""
+    asked = [c for c in candidates if c.followup is not None]
+    examples = []
+    for i, gram in ngram_overlap([c.followup for c in asked], eval_texts, n):
+        c = asked[i]
+        c.followup = None
+        stats[c.corpus].followup_contaminated += 1
+        if len(examples) < MAX_REPORTED:
+            examples.append({"source": c.corpus, "index": c.index, "ngram": gram, "field": "followup"})
     return examples
 
 
