@@ -3,8 +3,11 @@ recipe on single-turn traces only, and on the same number of rows with part of t
 the target's own first answer, measured on MT-bench (both turns) and the packaged held-out set, per category, against
 prompt lookup.
 
-    .venv/bin/python bench/bench_multiturn_data.py                      # about 30 minutes on 2 cores
+    .venv/bin/python bench/bench_multiturn_data.py --threads 1 --eval-prompts 30 --mt-bench-questions 16
     .venv/bin/python bench/bench_multiturn_data.py --variants baseline,followup --work runs/bench_multiturn
+
+(the first: the recorded result, about 40 minutes at one torch thread on a shared 2-core machine; one thread,
+because OpenMP's spinning makes two threads far slower where another process holds a core)
 
 Data: the prompts stage on ``configs/manifest.shared.json`` when ``../shared/data`` is there (else the packaged
 corpus), decontaminated against the packaged held-out set and MT-bench (every turn), as the demo builds them. The
@@ -33,6 +36,7 @@ lookup's, and the ratios to the baseline. Each step leaves a marker in ``--work`
 
 from __future__ import annotations
 
+import random
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -91,6 +95,30 @@ def accepted_by_group(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: {"points": len(rows), "draft": round(sum(r["accepted"] for r in rows) / len(rows), 3),
                    "lookup": round(sum(r["lookup_accepted"] for r in rows) / len(rows), 3)}
             for name, rows in sorted(groups.items())}
+
+
+def paired_difference(report: dict[str, Any], baseline: dict[str, Any], group: str,
+                      resamples: int = 2000) -> dict[str, Any]:
+    """The draft's mean accepted tokens minus the baseline's on the same points of ``group`` ("all" or a turn), and a
+    90% bootstrap interval over prompts (each prompt's points resampled together: points of one answer are not
+    independent)."""
+    def by_prompt(rep: dict[str, Any]) -> dict[str, list[int]]:
+        rows: dict[str, list[int]] = defaultdict(list)
+        for row in rep["per_point"]:
+            if group == "all" or row["category"].startswith(group + "/"):
+                rows[row["id"]].append(row["accepted"])
+        return rows
+    ours, theirs = by_prompt(report), by_prompt(baseline)
+    ids = sorted(ours)
+    sums = [(sum(ours[i]) - sum(theirs[i]), len(ours[i])) for i in ids]
+    rng = random.Random(0)
+    draws = []
+    for _ in range(resamples):
+        pick = [sums[rng.randrange(len(sums))] for _ in sums]
+        draws.append(sum(d for d, _ in pick) / sum(n for _, n in pick))
+    draws.sort()
+    return {"prompts": len(ids), "difference": round(sum(d for d, _ in sums) / sum(n for _, n in sums), 3),
+            "interval_90": [round(draws[int(0.05 * resamples)], 3), round(draws[int(0.95 * resamples)], 3)]}
 
 
 def main() -> None:
@@ -239,6 +267,13 @@ def main() -> None:
                 set_name: {group: round(values["draft"] / base[set_name][group]["draft"], 3)
                            for group, values in groups.items() if base[set_name][group]["draft"]}
                 for set_name, groups in record["accepted"].items()}
+            if name != "baseline":
+                record["paired_vs_baseline"] = {
+                    set_name: {group: paired_difference(read_json(work / name / "eval" / set_name / "report.json"),
+                                                        read_json(work / "baseline" / "eval" / set_name /
+                                                                  "report.json"), group)
+                               for group in ("all", "turn1", "turn2") if group in record["accepted"][set_name]}
+                    for set_name in record["accepted"]}
     save_result("multiturn_data", figures, args.out)
 
 
