@@ -245,7 +245,8 @@ def make_plan(cfg: ConversationsConfig, tokenizer, prompts: dict[str, PromptReco
         followup_rows.append(PlannedRow(f"{p.id}/followup", p.source, "followup", p.id, request[0],
                                         (("user", p.text), ("assistant", answer), ("user", request[1]))))
     long_enough = [(p, a) for p, a in answered if len(a.split()) >= cfg.min_passage_words]
-    dropped["short_passage"] += len(answered) - len(long_enough)
+    if cfg.passages:  # counted only where passages are asked for
+        dropped["short_passage"] += len(answered) - len(long_enough)
     passage_rows = []
     for p, answer in random.Random(f"{cfg.seed}/passages").sample(long_enough, len(long_enough)):
         req = pick(passages, cfg.seed, f"{p.id}/passage")
