@@ -143,6 +143,15 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
                      f"{threads} thread(s); prompts whose {fig['max_new_tokens']} greedy tokens are the torch "
                      "target's", f"{ratios}; {agree['identical_prompts']} of {agree['prompts']}",
                      f"{machine(result)}, {result['date']}", path.name))
+    for path in sorted(RESULTS.glob("multiturn_data.*.json")):
+        result = json.loads(path.read_text())
+        variants = result["figures"]["variants"]
+        turn2 = {name: v["accepted"]["mt_bench"]["turn2"] for name, v in variants.items()}
+        rows.append((f"training rows of other kinds (`specdraft conversations`), small recipe: MT-bench turn 2 "
+                     f"accepted of 16, {' / '.join(turn2)} / prompt lookup",
+                     " / ".join(f"{r['draft']:.2f}" for r in turn2.values())
+                     + f" / {next(iter(turn2.values()))['lookup']:.2f}", f"{machine(result)}, {result['date']}",
+                     path.name))
     for path in sorted(RESULTS.glob("server_loop*.json")):
         result = json.loads(path.read_text())
         fig = result["figures"]
@@ -270,10 +279,44 @@ def server_loop_tables() -> str:
     return "\n".join(out).rstrip() if out else "(no loop results yet: `bench/bench_server_loop.py`)"
 
 
+MULTITURN_SETS = (("heldout", "all", "packaged held-out, all"), ("mt_bench", "turn1", "MT-bench turn 1"),
+                  ("mt_bench", "turn2", "MT-bench turn 2"))
+
+
+def multiturn_tables() -> str:
+    """Training rows of other kinds against the same number of single-turn rows: acceptance per evaluation set."""
+    out: list[str] = []
+    for path in sorted(RESULTS.glob("multiturn_data.*.json")):
+        result = json.loads(path.read_text())
+        fig = result["figures"]
+        recipe, variants = fig["recipe"], fig["variants"]
+        names = list(variants)
+        out += [f"{machine(result)}, {result['date']}, `{result['command']}` "
+                f"([{path.name}](bench/results/{path.name})): {recipe['rows']} training rows of "
+                f"{recipe['trace_tokens']} tokens, {recipe['first_turns']} "
+                f"single-turn rows in every variant and {recipe['new_rows']} of the variant's kind; one training "
+                "run each.", "",
+                "| evaluation set (points) | " + " | ".join(names) + " | prompt lookup |",
+                "|---|" + "---:|" * (len(names) + 1)]
+        for group, key, label in MULTITURN_SETS:
+            base = variants[names[0]]["accepted"][group][key]
+            cells = []
+            for name in names:
+                row = variants[name]["accepted"][group][key]
+                paired = (variants[name].get("paired_vs_baseline") or {}).get(group, {}).get(key)
+                cells.append(f"{row['draft']:.2f}" + (f" ({paired['difference']:+.2f}, "
+                                                      f"{paired['interval_90'][0]:+.2f} to "
+                                                      f"{paired['interval_90'][1]:+.2f})" if paired else ""))
+            out.append(f"| {label} ({base['points']}) | " + " | ".join(cells) + f" | {base['lookup']:.2f} |")
+        out.append("")
+    return "\n".join(out).rstrip() if out else "(no training-data results yet: `bench/bench_multiturn_data.py`)"
+
+
 BLOCKS: dict[Path, dict[str, Callable[[], str]]] = {
     ROOT / "README.md": {"demo-time": readme_demo_time, "results": readme_results},
     ROOT / "BENCHMARKS.md": {"summary": benchmarks_summary, "compute": compute_tables,
-                             "trace-backends": trace_backend_tables, "server-loop": server_loop_tables},
+                             "trace-backends": trace_backend_tables, "server-loop": server_loop_tables,
+                             "multiturn-data": multiturn_tables},
 }
 
 
