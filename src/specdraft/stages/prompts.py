@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -220,8 +220,9 @@ def _decontaminate(cfg: PromptsConfig, candidates: list[Candidate], eval_texts: 
             examples.append({"source": c.corpus, "index": c.index, "ngram": gram})
     candidates = _drop(candidates, bad, "contaminated", stats)
     log.info("contamination: %d prompts share a %d-gram with the eval sets", len(offending), cfg.contamination_ngram)
-    response_examples = _strip_contaminated_responses(candidates, eval_texts, cfg.contamination_ngram, stats)
-    response_examples += _strip_contaminated_followups(candidates, eval_texts, cfg.contamination_ngram, stats)
+    response_examples = [example for field in ("response", "followup")
+                         for example in _strip_contaminated(candidates, field, eval_texts, cfg.contamination_ngram,
+                                                            stats)]
     return candidates, examples, response_examples
 
 
@@ -381,36 +382,23 @@ def _keep_texts(st: CorpusStats, texts: list[tuple[int, str, str | None, str | N
     return out
 
 
-def _strip_contaminated_responses(candidates: list[Candidate], eval_texts: list[str], n: int,
-                                  stats: dict[str, CorpusStats]) -> list[dict[str, Any]]:
-    """Remove the reference answers that share an n-gram with the eval sets (the prompt stays: it is clean);
-    returns up to MAX_REPORTED examples."""
-    answered = [c for c in candidates if c.response is not None]
+def _strip_contaminated(candidates: list[Candidate], field: Literal["response", "followup"], eval_texts: list[str],
+                        n: int, stats: dict[str, CorpusStats]) -> list[dict[str, Any]]:
+    """Remove the ``field`` texts (a reference answer, or a chat's second user turn) that share an n-gram with the
+    eval sets, the prompt kept (it is clean), counted per corpus as ``<field>_contaminated``; returns up to
+    MAX_REPORTED examples, each naming its field."""
+    holding = [c for c in candidates if getattr(c, field) is not None]
+    counter = f"{field}_contaminated"
     examples = []
-    for i, gram in ngram_overlap([c.response for c in answered], eval_texts, n):
-        c = answered[i]
-        c.response = None
-        stats[c.corpus].response_contaminated += 1
+    for i, gram in ngram_overlap([getattr(c, field) for c in holding], eval_texts, n):
+        c = holding[i]
+        setattr(c, field, None)
+        setattr(stats[c.corpus], counter, getattr(stats[c.corpus], counter) + 1)
         if len(examples) < MAX_REPORTED:
-            examples.append({"source": c.corpus, "index": c.index, "ngram": gram})
-    if answered:
-        log.info("contamination: %d reference answers share a %d-gram with the eval sets (removed, prompts kept)",
-                 sum(st.response_contaminated for st in stats.values()), n)
-    return examples
-
-
-def _strip_contaminated_followups(candidates: list[Candidate], eval_texts: list[str], n: int,
-                                  stats: dict[str, CorpusStats]) -> list[dict[str, Any]]:
-    """Remove the follow-ups (a chat's second user turn) that share an n-gram with the eval sets, the prompt kept;
-    returns up to MAX_REPORTED examples, marked as follow-ups."""
-    asked = [c for c in candidates if c.followup is not None]
-    examples = []
-    for i, gram in ngram_overlap([c.followup for c in asked], eval_texts, n):
-        c = asked[i]
-        c.followup = None
-        stats[c.corpus].followup_contaminated += 1
-        if len(examples) < MAX_REPORTED:
-            examples.append({"source": c.corpus, "index": c.index, "ngram": gram, "field": "followup"})
+            examples.append({"source": c.corpus, "index": c.index, "ngram": gram, "field": field})
+    if holding:
+        log.info("contamination: %d %ss share a %d-gram with the eval sets (removed, prompts kept)",
+                 sum(getattr(st, counter) for st in stats.values()), field, n)
     return examples
 
 
