@@ -102,7 +102,7 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
                          minutes(r["wall_seconds"]) + (f" ({r['wall_note']})" if r.get("wall_note") else ""),
                          f"{machine(result)}, {r['date']}", path.name))
             rows.append((f"`{budget}`: accepted of 16, trained / behind lookup / lookup / self-draft / untrained "
-                         f"({r['eval_points']} points)",
+                         f"({r['eval_points']} points of {r['eval_set']})",
                          " / ".join(f"{acc[k]:.2f}" for k in ("trained", "trained_lookup", "lookup", "self", "init")),
                          f"{machine(result)}, {r['date']}", path.name))
             if r.get("accepted_at_temperature"):
