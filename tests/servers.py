@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -39,3 +40,23 @@ def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
     text = httpx.get(url + "/metrics", timeout=10).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def post_together(url: str, requests: list[dict], clients: int = 8) -> list[dict]:
+    """``requests`` sent to ``/draft`` by ``clients`` threads, released together ``clients`` at a time, their answers
+    in order; fails the test when the server answered none of them in a batch of more than one row (the comparison
+    with single requests would then prove nothing)."""
+    barrier = threading.Barrier(clients)
+
+    def send(request: dict) -> dict:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            barrier.wait()
+            return client.post("/draft", json=request).json()
+
+    before = metric_samples(url)
+    with ThreadPoolExecutor(clients) as pool:
+        answers = list(pool.map(send, requests))
+    after = metric_samples(url)
+    count, one_row = ("specdraft_iteration_rows_count", ()), ("specdraft_iteration_rows_bucket", (("le", "1.0"),))
+    assert (after[count] - before[count]) - (after[one_row] - before[one_row]) > 0, "no batch of more than one"
+    return answers
