@@ -1,9 +1,12 @@
-"""The shared opening of a resumable stage that writes one JSONL row per prompt (traces, validation, label).
+"""The shared opening of a resumable stage that writes one JSONL row per prompt (traces, validation, label,
+conversations).
 
-An output ``X.jsonl`` has ``X.summary.json`` and ``X.log`` beside it (``side_paths``). A rerun appends: the
-rows already there are checked (``checked_rows`` / ``row_ids``) before anything is decoded, and refused when
-the summary's ``resume_key`` (target weights, token limit, template, ...) differs from this run's
-(``check_resume``). ``Progress`` shows a tqdm bar and gathers the counts the summary records.
+An output ``X.jsonl`` has ``X.summary.json`` and ``X.log`` beside it (``side_paths``; ``run_logged`` runs a stage
+with that log). A rerun appends: the rows already there are checked (``checked_rows`` / ``row_ids``, after a torn
+last line is cut: ``resumed_ids``) before anything is decoded, and refused when the summary's ``resume_key`` (target
+weights, token limit, template, ...) differs from this run's (``check_resume``); the summary of the run under way
+keeps the earlier runs' records (``write_running_summary``). ``Progress`` shows a tqdm bar and gathers the counts
+the summary records.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 from tqdm import tqdm
 
 from specdraft.core.config import StageConfig
-from specdraft.core.io import RecordFileError, read_json, read_jsonl
+from specdraft.core.io import RecordFileError, atomic_write_json, read_json, read_jsonl, repair_jsonl
+from specdraft.core.provenance import run_metadata, stage_log
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,18 @@ class StageResult:
 
 def side_paths(out: Path) -> tuple[Path, Path]:
     return out.with_name(out.stem + ".summary.json"), out.with_name(out.stem + ".log")
+
+
+Result = TypeVar("Result")
+
+
+def run_logged(out: str | Path, run: Callable[[Path, Path, Path], Result]) -> Result:
+    """``run(out, summary path, log path)`` with the stage's log file beside its output (its folder made first)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary_path, log_path = side_paths(out)
+    with stage_log(log_path):
+        return run(out, summary_path, log_path)
 
 
 def summary_path(records: str | Path) -> Path:
@@ -134,6 +150,21 @@ def checked_rows(path: Path, fields: dict[str, type]) -> Iterator[tuple[int, dic
             raise RecordFileError(f"{path}:{lineno}: field(s) {bad} missing or of the wrong type (expected "
                               f"{', '.join(f'{n}: {fields[n].__name__}' for n in bad)}); move the file away and rerun")
         yield lineno, obj
+
+
+def resumed_ids(out: Path, fields: dict[str, type] = TRACE_FIELDS) -> set[str]:
+    """The ids already in an output a rerun appends to (``row_ids``), once a torn last line (a killed write) is cut;
+    the file exists afterwards."""
+    repair_jsonl(out)
+    out.touch()
+    return row_ids(out, fields)
+
+
+def write_running_summary(summary_path: Path, base: dict[str, Any], done: int) -> list[dict[str, Any]]:
+    """The summary of a run under way (``base`` and the earlier runs' records, which it keeps); those records."""
+    earlier_runs = previous_runs(summary_path, done)
+    atomic_write_json(summary_path, {**base, "status": "running", "runs": earlier_runs, "run": run_metadata()})
+    return earlier_runs
 
 
 def row_ids(path: Path, fields: dict[str, type] = TRACE_FIELDS) -> set[str]:

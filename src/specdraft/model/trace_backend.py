@@ -6,16 +6,21 @@ continuation out, whatever engine runs it.
 ``model.trace_vllm.VLLMBackend`` is vLLM's offline engine (GPU). Another engine -- llama.cpp decoding many prompts
 at once through llama-cpp-python's batch API, say -- is one more subclass: it yields each prompt's greedy tokens
 (and, when it can, the top-K log-probabilities at every position) as the prompt finishes, and the stages append,
-flush and resume from what it yielded.
+flush and resume from what it yielded (``append_generations``: one row per prompt, as traces and conversations
+write them).
 """
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
-from typing import Any, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from specdraft.core.io import jsonl_line
+from specdraft.core.stage import Progress
 from specdraft.model.decode import iter_greedy
 from specdraft.model.device import resolve_device
 from specdraft.model.forward import eos_token_ids
@@ -82,3 +87,22 @@ class HFBackend(TraceBackend):
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         yield from iter_greedy(self.model, prompts, max_new_tokens, batch_size=self.batch_size, order=order,
                                top_logprobs=top_logprobs)
+
+
+def append_generations(backend: TraceBackend, out: Path, prompts: list[list[int]], max_new_tokens: int,
+                       row: Callable[[int, Generation], dict[str, Any]], desc: str,
+                       top_logprobs: int = 0) -> dict[str, Any]:
+    """Decode ``prompts``, appending ``row(index, generation)`` to the JSONL file ``out`` and flushing it as each
+    prompt finishes (a killed run loses only the rows in flight); this run's record (counts, speed, the backend's
+    info). Raises unless the backend returned every prompt."""
+    progress = Progress(len(prompts), desc)
+    with open(out, "a", encoding="utf-8") as f:
+        for i, gen in backend.generate(prompts, max_new_tokens, top_logprobs=top_logprobs):
+            f.write(jsonl_line(row(i, gen)) + "\n")
+            f.flush()
+            progress.update(len(prompts[i]), len(gen.tokens))
+        os.fsync(f.fileno())
+    this_run = {**progress.close(), **backend.info()}
+    if this_run["prompts"] != len(prompts):
+        raise RuntimeError(f"backend returned {this_run['prompts']} of {len(prompts)} prompts")
+    return this_run

@@ -43,28 +43,20 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from specdraft.core.config import StageConfig
-from specdraft.core.io import (
-    RecordFileError,
-    atomic_write_json,
-    jsonl_line,
-    read_json,
-    read_jsonl,
-    repair_jsonl,
-    sha256_file,
-)
-from specdraft.core.provenance import run_metadata, stage_log
+from specdraft.core.io import RecordFileError, atomic_write_json, jsonl_line, read_json, read_jsonl, sha256_file
+from specdraft.core.provenance import run_metadata
 from specdraft.core.records import PromptRecord, read_prompts
 from specdraft.core.stage import (
     TRACE_FIELDS,
-    Progress,
     StageResult,
     check_resume,
     checked_rows,
     peak_rss_mb,
-    previous_runs,
     resume_key,
-    row_ids,
+    resumed_ids,
+    run_logged,
     side_paths,
+    write_running_summary,
 )
 from specdraft.data.corpus import heldout_path
 from specdraft.data.followups import load_requests, pick
@@ -72,8 +64,9 @@ from specdraft.data.readers import read_eval_prompts
 from specdraft.data.text import ngram_overlap
 from specdraft.model.chat import encode_conversation, encode_prompts, has_chat_template
 from specdraft.model.device import DEVICE_HELP
+from specdraft.model.generation import Generation
 from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_tokenizer, tokenizer_fingerprint
-from specdraft.model.trace_backend import HFBackend, TraceBackend
+from specdraft.model.trace_backend import HFBackend, TraceBackend, append_generations
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +127,7 @@ class PlannedRow:
 
 def run_conversations(cfg: ConversationsConfig, backend: TraceBackend | None = None) -> StageResult:
     """``backend`` (optional) replaces the hf backend built from the config; its caller closes it."""
-    out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    summary_path, log_path = side_paths(out)
-    with stage_log(log_path):
-        return _run(cfg, out, summary_path, log_path, backend)
+    return run_logged(cfg.out, lambda out, summary_path, log_path: _run(cfg, out, summary_path, log_path, backend))
 
 
 def _run(cfg: ConversationsConfig, out: Path, summary_path: Path, log_path: Path,
@@ -155,9 +144,7 @@ def _run(cfg: ConversationsConfig, out: Path, summary_path: Path, log_path: Path
     eval_texts = [text for path in eval_files for text in read_eval_prompts(path)]
     plan, dropped, examples = make_plan(cfg, tokenizer, prompts, first_rows, eval_texts)
 
-    repair_jsonl(out)
-    out.touch()
-    done = row_ids(out)
+    done = resumed_ids(out)
     plan_sha = hashlib.sha256(json.dumps([[r.id, list(r.prompt_ids)] for r in plan]).encode()).hexdigest()
     key = resume_key(target, cfg, True, {"tokenizer": tokenizer_fingerprint(tokenizer), "plan_sha256": plan_sha,
                                          "keep_first_turns": cfg.keep_first_turns})
@@ -173,8 +160,7 @@ def _run(cfg: ConversationsConfig, out: Path, summary_path: Path, log_path: Path
             "eval_sets": [{"path": p, "sha256": sha256_file(p)} for p in eval_files],
             "chat_template": True, "config": cfg.to_json_dict(), "resume_key": key, "plan_sha256": plan_sha,
             "planned": dict(Counter(r.kind for r in plan)), "not_made": dropped, "contamination_examples": examples}
-    earlier_runs = previous_runs(summary_path, len(done))
-    atomic_write_json(summary_path, {**base, "status": "running", "runs": earlier_runs, "run": run_metadata()})
+    earlier_runs = write_running_summary(summary_path, base, len(done))
 
     copied = _copy_first_turns(out, first_rows, done) if cfg.keep_first_turns else 0
     todo = [r for r in plan if r.id not in done]
@@ -312,22 +298,15 @@ def _copy_first_turns(out: Path, first_rows: list[dict], done: set[str]) -> int:
 
 def _decode(cfg: ConversationsConfig, out: Path, todo: list[PlannedRow], given: TraceBackend | None) -> dict[str, Any]:
     """Decode ``todo``, appending each row to ``out`` and flushing it as it finishes; this run's record."""
+    ids = [list(r.prompt_ids) for r in todo]
+
+    def row(i: int, gen: Generation) -> dict[str, Any]:
+        return {**todo[i].record(), "prompt_ids": ids[i], "completion_ids": gen.tokens,
+                "finish_reason": gen.finish_reason}
+
     backend = given or HFBackend(cfg.target, cfg.device, cfg.batch_size)
     try:
-        ids = [list(r.prompt_ids) for r in todo]
-        progress = Progress(len(todo), "conversations")
-        with open(out, "a", encoding="utf-8") as f:
-            for i, gen in backend.generate(ids, cfg.max_new_tokens):
-                row = {**todo[i].record(), "prompt_ids": ids[i], "completion_ids": gen.tokens,
-                       "finish_reason": gen.finish_reason}
-                f.write(jsonl_line(row) + "\n")
-                f.flush()
-                progress.update(len(ids[i]), len(gen.tokens))
-            os.fsync(f.fileno())
-        this_run = {**progress.close(), **backend.info()}
+        return append_generations(backend, out, ids, cfg.max_new_tokens, row, "conversations")
     finally:
         if given is None:
             backend.close()
-    if this_run["prompts"] != len(todo):
-        raise RuntimeError(f"backend returned {this_run['prompts']} of {len(todo)} rows")
-    return this_run

@@ -30,18 +30,19 @@ import torch
 from pydantic import Field
 
 from specdraft.core.config import StageConfig
-from specdraft.core.io import (
-    RecordFileError,
-    atomic_write_json,
-    jsonl_line,
-    read_json,
-    read_jsonl,
-    repair_jsonl,
-    sha256_file,
-)
-from specdraft.core.provenance import run_metadata, stage_log
+from specdraft.core.io import RecordFileError, atomic_write_json, jsonl_line, read_jsonl, sha256_file
+from specdraft.core.provenance import run_metadata
 from specdraft.core.records import read_answers, read_prompts
-from specdraft.core.stage import LABEL_FIELDS, Progress, StageResult, check_resume, peak_rss_mb, row_ids, side_paths
+from specdraft.core.stage import (
+    LABEL_FIELDS,
+    Progress,
+    StageResult,
+    check_resume,
+    peak_rss_mb,
+    resumed_ids,
+    run_logged,
+    write_running_summary,
+)
 from specdraft.model.chat import encode_prompts, has_chat_template
 from specdraft.model.decode import iter_greedy
 from specdraft.model.device import DEVICE_HELP, resolve_device
@@ -77,13 +78,10 @@ class LabelConfig(StageConfig):
 
 
 def run_label(cfg: LabelConfig) -> StageResult:
-    out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    summary_path, log_path = side_paths(out)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    with stage_log(log_path), torch.inference_mode():
-        return _run_label(cfg, out, summary_path, log_path)
+    with torch.inference_mode():
+        return run_logged(cfg.out, lambda out, summary_path, log_path: _run_label(cfg, out, summary_path, log_path))
 
 
 def answer_ids(tokenizer, prompt_ids: list[int], response: str, max_seq_len: int) -> list[int]:
@@ -173,9 +171,7 @@ def _run_label(cfg: LabelConfig, out: Path, summary_path: Path, log_path: Path) 
     if not rows:  # an empty labels file would pass for a finished run
         raise RecordFileError(f"prompts file {cfg.prompts}: no row with a reference answer ('response') among "
                           f"{total_in_file}; label needs answers to teacher-force (the data stage keeps them)")
-    repair_jsonl(out)
-    out.touch()
-    done = row_ids(out, LABEL_FIELDS)  # the traces stage's reader: ids and fields checked, a duplicate refused
+    done = resumed_ids(out, LABEL_FIELDS)  # the traces stage's reader: ids and fields checked, a duplicate refused
     target = describe_source(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
     template = has_chat_template(tokenizer)
@@ -190,8 +186,7 @@ def _run_label(cfg: LabelConfig, out: Path, summary_path: Path, log_path: Path) 
             "prompts": {"path": str(cfg.prompts), "sha256": sha256_file(cfg.prompts), "records": total_in_file,
                         "with_response": len(rows)},
             "chat_template": template, "config": cfg.to_json_dict(), "resume_key": key}
-    previous = (read_json(summary_path).get("runs") or []) if done and summary_path.is_file() else []
-    atomic_write_json(summary_path, {**base, "status": "running", "runs": previous, "run": run_metadata()})
+    previous = write_running_summary(summary_path, base, len(done))
     log.info("label: %d prompts in %s, %d with a reference answer (limit %s), %d already in %s, %d to label",
              total_in_file, cfg.prompts, len(rows), cfg.limit, len(done), out, len(todo))
 

@@ -44,7 +44,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 from pydantic import Field, field_validator, model_validator
 
@@ -60,7 +60,7 @@ from specdraft.core.io import (
     repair_jsonl,
     sha256_file,
 )
-from specdraft.core.provenance import run_metadata, stage_log
+from specdraft.core.provenance import run_metadata
 from specdraft.core.records import PromptRecord, read_prompts
 from specdraft.core.stage import (
     POINT_FIELDS,
@@ -70,16 +70,18 @@ from specdraft.core.stage import (
     check_resume,
     checked_rows,
     peak_rss_mb,
-    previous_runs,
     resume_key,
-    row_ids,
+    resumed_ids,
+    run_logged,
     side_paths,
+    write_running_summary,
 )
 from specdraft.core.wire import DRAFT_TOKENS
 from specdraft.model.chat import encode_prompts, has_chat_template
 from specdraft.model.device import DEVICE_HELP
+from specdraft.model.generation import Generation
 from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_tokenizer, tokenizer_fingerprint
-from specdraft.model.trace_backend import HFBackend, TraceBackend
+from specdraft.model.trace_backend import HFBackend, TraceBackend, append_generations
 from specdraft.model.trace_llamacpp import LlamaCppBackend, target_gguf
 from specdraft.model.trace_vllm import VLLMBackend
 
@@ -198,17 +200,8 @@ def opened_backend(cfg: _DecodeFields, given: TraceBackend | None) -> Iterator[T
 def run_traces(cfg: TracesConfig, backend: TraceBackend | None = None) -> StageResult:
     """``backend`` (optional) replaces the one built from the config (tests pass a fake vLLM engine); its caller
     closes it."""
-    return _logged(cfg.out, lambda out, summary_path, log_path: _run_traces(cfg, out, summary_path, log_path,
-                                                                             backend))
-
-
-def _logged(out: str | Path, run: Callable[[Path, Path, Path], StageResult]) -> StageResult:
-    """``run(out, summary path, log path)`` with the stage's log file beside its output."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    summary_path, log_path = side_paths(out)
-    with stage_log(log_path):
-        return run(out, summary_path, log_path)
+    return run_logged(cfg.out, lambda out, summary_path, log_path: _run_traces(cfg, out, summary_path, log_path,
+                                                                                backend))
 
 
 def _limited_prompts(cfg: TracesConfig | ValidationConfig) -> tuple[list, int]:
@@ -224,9 +217,7 @@ def _run_traces(cfg: TracesConfig, out: Path, summary_path: Path, log_path: Path
     shard_i, shard_n = parse_shard(cfg.shard)
     records = records[shard_i::shard_n]
 
-    repair_jsonl(out)
-    out.touch()
-    done = row_ids(out)
+    done = resumed_ids(out)
     target = describe_source(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
     template = has_chat_template(tokenizer)
@@ -247,8 +238,7 @@ def _run_traces(cfg: TracesConfig, out: Path, summary_path: Path, log_path: Path
     base = {"stage": "traces", "target": target, "prompts": {"path": str(cfg.prompts), "sha256": prompts_sha,
                                                               "records": total_in_file, "selected": len(records)},
             "chat_template": template, "config": cfg.to_json_dict(), "resume_key": key}
-    earlier_runs = previous_runs(summary_path, len(done))
-    atomic_write_json(summary_path, {**base, "status": "running", "runs": earlier_runs, "run": run_metadata()})
+    earlier_runs = write_running_summary(summary_path, base, len(done))
 
     if todo:
         this_run = _decode_traces(cfg, out, todo, encode_prompts(tokenizer, [r.text for r in todo]), backend)
@@ -281,25 +271,21 @@ def _decode_traces(cfg: TracesConfig, out: Path, todo: list[PromptRecord], ids: 
             raise ValueError(f"top_logprobs: backend {backend.name!r} cannot return them; use --backend hf")
         log.info("backend %s; decoding %d prompts (%d prompt tokens), max_new_tokens=%d, batch_size=%d",
                  backend.name, len(todo), sum(map(len, ids)), cfg.max_new_tokens, cfg.batch_size)
-        progress = Progress(len(todo), "traces")
-        with open(out, "a", encoding="utf-8") as f:
-            for i, gen in backend.generate(ids, cfg.max_new_tokens, top_logprobs=cfg.top_logprobs):
-                rec = todo[i]
-                row = {"id": rec.id, "source": rec.source, "prompt_ids": ids[i], "completion_ids": gen.tokens,
-                       "finish_reason": gen.finish_reason}
-                if cfg.top_logprobs:
-                    row["top_ids"] = gen.top_ids
-                    row["top_logprobs"] = [[round(x, LOGPROB_DECIMALS) for x in pos] for pos in gen.top_logprobs]
-                f.write(jsonl_line(row) + "\n")
-                f.flush()
-                progress.update(len(ids[i]), len(gen.tokens))
-            os.fsync(f.fileno())
-        this_run = {**progress.close(), **backend.info()}
-    if this_run["prompts"] != len(todo):
-        raise RuntimeError(f"backend returned {this_run['prompts']} of {len(todo)} prompts")
+        this_run = append_generations(backend, out, ids, cfg.max_new_tokens,
+                                      lambda i, gen: _trace_row(todo[i], ids[i], gen, cfg.top_logprobs), "traces",
+                                      cfg.top_logprobs)
     log.info("decoded %d prompts, %d completion tokens in %.1f s (%.1f tok/s)", this_run["prompts"],
              this_run["completion_tokens"], this_run["wall_s"], this_run["completion_tokens_per_s"] or 0)
     return this_run
+
+
+def _trace_row(rec: PromptRecord, prompt_ids: list[int], gen: Generation, top_logprobs: int) -> dict[str, Any]:
+    row = {"id": rec.id, "source": rec.source, "prompt_ids": prompt_ids, "completion_ids": gen.tokens,
+           "finish_reason": gen.finish_reason}
+    if top_logprobs:
+        row["top_ids"] = gen.top_ids
+        row["top_logprobs"] = [[round(x, LOGPROB_DECIMALS) for x in pos] for pos in gen.top_logprobs]
+    return row
 
 
 def _trace_totals(path: Path, selected: set[str]) -> dict[str, Any]:
@@ -338,8 +324,8 @@ def evaluation_points(completion: Sequence[int], num_draft: int) -> list[int]:
 
 def run_validation(cfg: ValidationConfig, backend: TraceBackend | None = None) -> StageResult:
     """``backend`` (optional) replaces the one built from the config; its caller closes it."""
-    return _logged(cfg.out, lambda out, summary_path, log_path: _run_validation(cfg, out, summary_path, log_path,
-                                                                                 backend))
+    return run_logged(cfg.out, lambda out, summary_path, log_path: _run_validation(cfg, out, summary_path,
+                                                                                    log_path, backend))
 
 
 def _run_validation(cfg: ValidationConfig, out: Path, summary_path: Path, log_path: Path,
@@ -446,11 +432,8 @@ class _Shard:
 
 
 def run_merge_traces(cfg: MergeTracesConfig) -> StageResult:
-    out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    summary_path, log_path = side_paths(out)
-    with stage_log(log_path):
-        return _run_merge_traces(cfg, out, summary_path, log_path)
+    return run_logged(cfg.out, lambda out, summary_path, log_path: _run_merge_traces(cfg, out, summary_path,
+                                                                                      log_path))
 
 
 def _run_merge_traces(cfg: MergeTracesConfig, out: Path, summary_path: Path, log_path: Path) -> StageResult:
