@@ -1,4 +1,5 @@
-"""Fake model sides for server tests that need no model: a lane whose answer is a function of the context."""
+"""Fake model sides for server tests that need no model: a lane whose answer is a function of the context; a fake
+draft server over HTTP, and contexts prompt lookup drafts from."""
 
 import threading
 import time
@@ -143,3 +144,9 @@ def serve_http(handler):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def repeating_context(rng, length, high, repeat):
+    """``length`` random ids in [5, high), then their first ``repeat`` again: prompt lookup finds a draft for it."""
+    base = [rng.randrange(5, high) for _ in range(length)]
+    return base + base[:repeat]

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from fakes import JSONHandler, serve_http
+from fakes import JSONHandler, repeating_context, serve_http
 from specdraft.core.records import ValidationPoint
 from specdraft.drafting.base import DrafterError
 from specdraft.drafting.lookup import lookup_draft
@@ -62,11 +62,7 @@ def busy_server():
 
 def _contexts(n=24):
     rng = random.Random(3)
-    out = []
-    for _ in range(n):
-        base = [rng.randrange(5, 40) for _ in range(8)]
-        out.append(base + base[:3])
-    return out
+    return [repeating_context(rng, 8, 40, 3) for _ in range(n)]
 
 
 def test_refused_requests_are_retried_and_every_draft_is_lookups(busy_server):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fakes import JSONHandler, serve_http
+from fakes import JSONHandler, repeating_context, serve_http
 from specdraft.core.io import RecordFileError
 from specdraft.core.records import ValidationPoint, load_validation
 from specdraft.drafting.acceptance import evaluate_drafter, percentile
@@ -152,9 +152,8 @@ def _lookup_points(n=12):
     rng = random.Random(1)
     pts = []
     for i in range(n):
-        base = [rng.randrange(5, 12) for _ in range(10)]
-        ctx = base + base[:4]
-        target = base[4:10] + [rng.randrange(5, 12) for _ in range(10)]
+        ctx = repeating_context(rng, 10, 12, 4)
+        target = ctx[4:10] + [rng.randrange(5, 12) for _ in range(10)]
         pts.append(ValidationPoint(f"q{i % 4}", f"c{i % 3}", 0, ctx, target))
     return pts
 
