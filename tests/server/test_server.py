@@ -49,6 +49,14 @@ def wait_until(condition, timeout: float = 60, what: str = "condition") -> None:
         time.sleep(0.01)
 
 
+def hold_the_worker(srv, engine, pool):
+    """A one-token request the fake engine's gate holds in the model (the worker busy until the gate opens): its
+    future."""
+    held = pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [1], "num_tokens": 1}, timeout=60)
+    wait_until(lambda: engine.calls, what="the held request in the model")
+    return held
+
+
 def wait_healthy(url: str, timeout: float = START_TIMEOUT) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -514,15 +522,10 @@ def test_queue_full_is_503_with_retry_after_not_a_hang():
         try:
             # One at a time: sent together, the second could reach the 1-slot queue before the worker took
             # the first, and be refused itself.
-            deadline = time.time() + 60  # generous: CI machines are shared and slow
-            held = [pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [1]}, timeout=90)]
-            while not engine.calls:  # the first is in the (gated) step
-                assert time.time() < deadline
-                time.sleep(0.02)
+            held = [hold_the_worker(srv, engine, pool)]
             held.append(pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [2]}, timeout=90))
-            while metric_samples(srv.url)[("specdraft_queue_depth", ())] < 1:  # the second waits in the queue
-                assert time.time() < deadline
-                time.sleep(0.02)
+            wait_until(lambda: metric_samples(srv.url)[("specdraft_queue_depth", ())] >= 1,
+                       what="the second request waiting in the queue")
             t = time.perf_counter()
             r = httpx.post(srv.url + "/draft", json={"token_ids": [3]}, timeout=30)
             assert time.perf_counter() - t < 5  # refused at once, not after the 30 s request timeout
@@ -676,29 +679,17 @@ def test_requests_that_outlast_the_shutdown_timeout_are_refused_with_503_not_can
     assert not srv.thread.is_alive()
 
 
-def _hold_the_worker(srv, engine, pool):
-    """A one-token request the fake engine's gate holds in the model: (its future, a deadline 60 s away)."""
-    held = pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [1], "num_tokens": 1}, timeout=60)
-    deadline = time.time() + 60
-    while not engine.calls:
-        assert time.time() < deadline
-        time.sleep(0.01)
-    return held, deadline
-
-
 def test_a_client_that_goes_away_cancels_its_request_before_it_is_computed():
     gate = threading.Event()
     engine = FakeEngine(gate=gate)
     cfg = fake_config(max_batch_size=1, max_wait_ms=0)
     with ThreadServer(create_app(cfg, engine), cfg) as srv, ThreadPoolExecutor(1) as pool:
         try:
-            held, deadline = _hold_the_worker(srv, engine, pool)
+            held = hold_the_worker(srv, engine, pool)
             with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
                 httpx.post(srv.url + "/draft", json={"token_ids": [2, 2, 2], "num_tokens": 1}, timeout=0.3)
             cancelled = ("specdraft_draft_outcomes_total", (("outcome", "cancelled"),))
-            while metric_samples(srv.url).get(cancelled, 0) < 1:  # the handler saw the disconnect
-                assert time.time() < deadline
-                time.sleep(0.02)
+            wait_until(lambda: metric_samples(srv.url).get(cancelled, 0) >= 1, what="the handler seeing the disconnect")
         finally:
             gate.set()
         assert held.result().status_code == 200
@@ -713,7 +704,7 @@ def test_a_deadline_passed_in_the_queue_is_a_503_without_compute():
     cfg = fake_config(max_batch_size=1, max_wait_ms=0, request_timeout_s=0.5)
     with ThreadServer(create_app(cfg, engine), cfg) as srv, ThreadPoolExecutor(1) as pool:
         try:
-            held, deadline = _hold_the_worker(srv, engine, pool)
+            held = hold_the_worker(srv, engine, pool)
             t = time.perf_counter()
             r = httpx.post(srv.url + "/draft", json={"token_ids": [2, 2, 2], "num_tokens": 1}, timeout=30)
             assert r.status_code == 503 and r.json()["error"] == "timeout" and time.perf_counter() - t < 5
