@@ -7,6 +7,7 @@ batches, loading and shutdown without a model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -16,7 +17,8 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -49,12 +51,32 @@ def wait_until(condition, timeout: float = 60, what: str = "condition") -> None:
         time.sleep(0.01)
 
 
-def hold_the_worker(srv, engine, pool):
-    """A one-token request the fake engine's gate holds in the model (the worker busy until the gate opens): its
-    future."""
-    held = pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [1], "num_tokens": 1}, timeout=60)
-    wait_until(lambda: engine.calls, what="the held request in the model")
-    return held
+@dataclass
+class HeldWorker:
+    """An in-process server over a gated fake engine, one row a batch, whose worker a one-token request (``held``,
+    its future) keeps in the model until ``gate`` opens; ``pool`` sends requests that must not block the test."""
+
+    srv: ThreadServer
+    engine: FakeEngine
+    pool: ThreadPoolExecutor
+    held: Future
+    gate: threading.Event
+
+
+@contextlib.contextmanager
+def held_worker(clients: int = 1, **config):
+    """A ``HeldWorker`` (``max_batch_size=1``, no batching wait, and ``config``); the gate opens on leaving, also
+    when the test failed, so that the held request ends."""
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    cfg = fake_config(max_batch_size=1, max_wait_ms=0, **config)
+    with ThreadServer(create_app(cfg, engine), cfg) as srv, ThreadPoolExecutor(clients) as pool:
+        try:
+            held = pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [1], "num_tokens": 1}, timeout=60)
+            wait_until(lambda: engine.calls, what="the held request in the model")
+            yield HeldWorker(srv, engine, pool, held, gate)
+        finally:
+            gate.set()
 
 
 def wait_healthy(url: str, timeout: float = START_TIMEOUT) -> dict:
@@ -515,26 +537,20 @@ def test_sigterm_with_requests_in_every_state_exits_0_within_the_shutdown_timeou
 # ------------------------------------------------------------------------- in process, fake engines
 
 def test_queue_full_is_503_with_retry_after_not_a_hang():
-    gate = threading.Event()
-    engine = FakeEngine(gate=gate)
-    cfg = fake_config(max_batch_size=1, max_queue=1, max_wait_ms=0)
-    with ThreadServer(create_app(cfg, engine), cfg) as srv, ThreadPoolExecutor(2) as pool:
-        try:
-            # One at a time: sent together, the second could reach the 1-slot queue before the worker took
-            # the first, and be refused itself.
-            held = [hold_the_worker(srv, engine, pool)]
-            held.append(pool.submit(httpx.post, srv.url + "/draft", json={"token_ids": [2]}, timeout=90))
-            wait_until(lambda: metric_samples(srv.url)[("specdraft_queue_depth", ())] >= 1,
-                       what="the second request waiting in the queue")
-            t = time.perf_counter()
-            r = httpx.post(srv.url + "/draft", json={"token_ids": [3]}, timeout=30)
-            assert time.perf_counter() - t < 5  # refused at once, not after the 30 s request timeout
-            assert r.status_code == 503 and r.json()["error"] == "queue_full" and r.headers["retry-after"] == "1"
-            refused = ("specdraft_draft_outcomes_total", (("outcome", "refused_queue_full"),))
-            assert metric_samples(srv.url)[refused] == 1
-        finally:
-            gate.set()  # also when an assertion failed, so the held requests end
-        assert [h.result().status_code for h in held] == [200, 200]
+    # One at a time: sent together, the second could reach the 1-slot queue before the worker took the first, and
+    # be refused itself.
+    with held_worker(clients=2, max_queue=1) as w:
+        queued = w.pool.submit(httpx.post, w.srv.url + "/draft", json={"token_ids": [2]}, timeout=90)
+        wait_until(lambda: metric_samples(w.srv.url)[("specdraft_queue_depth", ())] >= 1,
+                   what="the second request waiting in the queue")
+        t = time.perf_counter()
+        r = httpx.post(w.srv.url + "/draft", json={"token_ids": [3]}, timeout=30)
+        assert time.perf_counter() - t < 5  # refused at once, not after the 30 s request timeout
+        assert r.status_code == 503 and r.json()["error"] == "queue_full" and r.headers["retry-after"] == "1"
+        refused = ("specdraft_draft_outcomes_total", (("outcome", "refused_queue_full"),))
+        assert metric_samples(w.srv.url)[refused] == 1
+        w.gate.set()
+        assert [h.result().status_code for h in (w.held, queued)] == [200, 200]
 
 
 def test_heap_is_trimmed_once_loaded_and_then_after_model_work(monkeypatch):
@@ -680,40 +696,28 @@ def test_requests_that_outlast_the_shutdown_timeout_are_refused_with_503_not_can
 
 
 def test_a_client_that_goes_away_cancels_its_request_before_it_is_computed():
-    gate = threading.Event()
-    engine = FakeEngine(gate=gate)
-    cfg = fake_config(max_batch_size=1, max_wait_ms=0)
-    with ThreadServer(create_app(cfg, engine), cfg) as srv, ThreadPoolExecutor(1) as pool:
-        try:
-            held = hold_the_worker(srv, engine, pool)
-            with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
-                httpx.post(srv.url + "/draft", json={"token_ids": [2, 2, 2], "num_tokens": 1}, timeout=0.3)
-            cancelled = ("specdraft_draft_outcomes_total", (("outcome", "cancelled"),))
-            wait_until(lambda: metric_samples(srv.url).get(cancelled, 0) >= 1, what="the handler seeing the disconnect")
-        finally:
-            gate.set()
-        assert held.result().status_code == 200
-        samples = metric_samples(srv.url)
+    with held_worker() as w:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(w.srv.url + "/draft", json={"token_ids": [2, 2, 2], "num_tokens": 1}, timeout=0.3)
+        cancelled = ("specdraft_draft_outcomes_total", (("outcome", "cancelled"),))
+        wait_until(lambda: metric_samples(w.srv.url).get(cancelled, 0) >= 1, what="the handler seeing the disconnect")
+        w.gate.set()
+        assert w.held.result().status_code == 200
+        samples = metric_samples(w.srv.url)
         assert samples[("specdraft_dropped_total", (("outcome", "cancelled"), ("where", "queued")))] == 1
-    assert all(lengths != [3] for _, lengths in engine.calls)  # its 3-token context never reached the model
+    assert all(lengths != [3] for _, lengths in w.engine.calls)  # its 3-token context never reached the model
 
 
 def test_a_deadline_passed_in_the_queue_is_a_503_without_compute():
-    gate = threading.Event()
-    engine = FakeEngine(gate=gate)
-    cfg = fake_config(max_batch_size=1, max_wait_ms=0, request_timeout_s=0.5)
-    with ThreadServer(create_app(cfg, engine), cfg) as srv, ThreadPoolExecutor(1) as pool:
-        try:
-            held = hold_the_worker(srv, engine, pool)
-            t = time.perf_counter()
-            r = httpx.post(srv.url + "/draft", json={"token_ids": [2, 2, 2], "num_tokens": 1}, timeout=30)
-            assert r.status_code == 503 and r.json()["error"] == "timeout" and time.perf_counter() - t < 5
-        finally:
-            gate.set()
-        assert held.result().status_code in (200, 503)  # the held one's own 0.5 s may have passed too
-        samples = metric_samples(srv.url)
+    with held_worker(request_timeout_s=0.5) as w:
+        t = time.perf_counter()
+        r = httpx.post(w.srv.url + "/draft", json={"token_ids": [2, 2, 2], "num_tokens": 1}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"] == "timeout" and time.perf_counter() - t < 5
+        w.gate.set()
+        assert w.held.result().status_code in (200, 503)  # the held one's own 0.5 s may have passed too
+        samples = metric_samples(w.srv.url)
         assert samples[("specdraft_draft_outcomes_total", (("outcome", "timed_out"),))] >= 1
-    assert all(lengths != [3] for _, lengths in engine.calls)
+    assert all(lengths != [3] for _, lengths in w.engine.calls)
 
 
 def test_overload_is_refused_at_once_with_retry_after():
