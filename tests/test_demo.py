@@ -134,6 +134,13 @@ LLAMA_RESULT = {"bench": "llamacpp_speed", "command": "specdraft speculate --eng
                                                               "range": [0.75, 0.78], "predicted": 0.84}]}}
 
 
+def _summary_text(run, **config) -> str:
+    """The demo run in ``run`` (its stages stubbed by ``_stub_run``) on the packaged held-out set, ``config`` over
+    DemoConfig's defaults: its demo_summary.md."""
+    demo.run_demo(demo.DemoConfig(out=str(run), **{"eval_set": str(heldout_path()), **config}))
+    return (run / "demo_summary.md").read_text()
+
+
 def _references(tmp_path, results: dict[str, dict]) -> str:
     """A results folder holding only these (bench/results/<name>.json)."""
     folder = tmp_path / "results"
@@ -249,8 +256,7 @@ def test_with_mt_bench_the_demo_evaluates_both_turns_and_summarises_them(tmp_pat
 
 def test_the_summary_says_what_the_draft_saw_and_what_its_numbers_mean(tmp_path, monkeypatch):
     run, _, _ = _stub_run(tmp_path, monkeypatch)
-    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path())))
-    text = (run / "demo_summary.md").read_text()
+    text = _summary_text(run)
     # what the draft saw
     assert "2210 prompts kept of 457 read from 2 corpora" in text
     assert "dropped: 1 contaminated, 2 near duplicate" in text
@@ -295,8 +301,7 @@ def test_the_acceptance_table_has_columns_at_temperature(tmp_path, monkeypatch):
              "eval/self/report.json": {**STUB_FILES["eval/self/report.json"],
                                        **_at_temperature(**{"0.0": 14.9, "0.7": 12.25, "1.0": 11.5})}}
     run, _, stages = _stub_run(tmp_path, monkeypatch, files=files)
-    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path())))
-    text = (run / "demo_summary.md").read_text()
+    text = _summary_text(run)
     assert "| per-prompt mean | sampling at T = 0.7 | sampling at T = 1.0 | what it is |" in text
     assert "| trained draft | 0.71 | 0.70 | 0.93 | 1.02 |" in text
     assert "| self-draft | 14.90 | 14.80 | 12.25 | 11.50 |" in text
@@ -313,27 +318,23 @@ def test_the_acceptance_table_has_columns_at_temperature(tmp_path, monkeypatch):
 def test_without_llama_cpp_the_summary_quotes_its_speed_and_says_how_to_measure_it(tmp_path, monkeypatch):
     results = _references(tmp_path, {"llamacpp_speed.avx512-bf16": LLAMA_RESULT})
     run, _, _ = _stub_run(tmp_path, monkeypatch)
-    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), reference_results=results))
-    text = (run / "demo_summary.md").read_text()
+    text = _summary_text(run, reference_results=results)
     assert "## Speed in llama.cpp (the engine CPU users run)" in text
     assert "Not measured in this run: llama-cpp-python is not installed. `make install-llama`, then `make demo`" in text
     assert "| llama rows |" in text and "In llama.cpp" not in text  # quoted, and no verdict drawn from it
 
     # a target without a GGUF file of its own: why, and the command that measures it
     hub = dict(target="hub:org/model@main", draft_init="truncate:2", reference_results=results)
-    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), **hub))
-    text = (run / "demo_summary.md").read_text()
+    text = _summary_text(run, **hub)
     assert "Not measured in this run: llama-cpp-python is not installed" in text  # the first reason that holds
     assert "| llama rows |" not in text  # the embedded target's figures are not this target's
     monkeypatch.setattr(steps, "llama_cpp_available", lambda: True)
-    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), **hub))
-    text = (run / "demo_summary.md").read_text()
+    text = _summary_text(run, **hub)
     assert "the target hub:org/model@main brings no GGUF file of its own" in text and "--target-gguf FILE" in text
     monkeypatch.setattr(steps, "llama_cpp_available", lambda: False)
 
     # no measured results beside the installation: one line says so
-    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), reference_results=None))
-    text = (run / "demo_summary.md").read_text()
+    text = _summary_text(run, reference_results=None)
     assert "(No measured results beside this installation: see the repository's BENCHMARKS.md.)" in text
 
 
@@ -341,8 +342,7 @@ def test_with_llama_cpp_the_summary_gives_its_speed_and_the_verdict_says_nothing
     results = _references(tmp_path, {"llamacpp_speed.avx512-bf16": LLAMA_RESULT})
     run, _, _ = _stub_run(tmp_path, monkeypatch, llama=True,
                           files={"speculate_llama_cpp/speculate.json": LLAMA_REPORT})
-    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path()), reference_results=results))
-    text = (run / "demo_summary.md").read_text()
+    text = _summary_text(run, reference_results=results)
     section = text[text.index("## Speed in llama.cpp"):text.index("## Verdict")]
     assert "llama-cpp-python 0.3.36, the target's own file `SmolLM2-135M-Instruct-Q4_1.gguf`, 2 threads" in section
     assert "| plain decoding | - | 1.00x (45.5 tokens/s) |" in section
@@ -422,8 +422,7 @@ def test_a_resumed_demo_says_what_training_took_over_its_sittings_and_which_stag
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text("{}")
         os.utime(marker, (time.time() - age_s + 60,) * 2)  # speculate's marker: written after the start
-    demo.run_demo(demo.DemoConfig(out=str(run), eval_set=str(heldout_path())))
-    text = (run / "demo_summary.md").read_text()
+    text = _summary_text(run)
     assert "28 steps over 11200 tokens in 2.9 min over its sittings (resumed at step 20 after an interruption)" in text
     assert "for this invocation, which skipped 2 stages an earlier one finished (prompts, traces;" in text
 
