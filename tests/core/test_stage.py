@@ -103,7 +103,34 @@ def test_previous_runs(tmp_path):
     assert stage.previous_runs(_summary(tmp_path / "u.json", runs=None), done=5) == []
 
 
+def test_the_running_summary_keeps_the_earlier_runs(tmp_path):
+    summary = _summary(tmp_path / "s.json", runs=[{"prompts": 3}], status="complete")
+    assert stage.write_running_summary(summary, {"stage": "traces"}, done=3) == [{"prompts": 3}]
+    written = json.loads(summary.read_text())
+    assert {k: written[k] for k in ("stage", "status", "runs")} == {"stage": "traces", "status": "running",
+                                                                    "runs": [{"prompts": 3}]}
+    assert "git_sha" in written["run"]  # the run record
+
+
+def test_run_logged_runs_with_its_log_beside_the_output(tmp_path):
+    def run(out, summary_path, log_path):
+        logging.getLogger("specdraft.test").info("inside")
+        return out, summary_path, log_path
+
+    out = tmp_path / "new" / "t.jsonl"
+    assert stage.run_logged(str(out), run) == (out, *stage.side_paths(out))
+    assert "inside" in (tmp_path / "new" / "t.log").read_text()
+
+
 # ------------------------------------------------------------------------------------ rows already written
+
+def test_resumed_ids_cut_a_torn_last_line_and_make_the_file(tmp_path):
+    p = _write_rows(tmp_path / "t.jsonl", [_trace("a")])
+    with open(p, "a", encoding="utf-8") as f:
+        f.write('{"id": "b", "prom')  # a killed write
+    assert stage.resumed_ids(p) == {"a"} and p.read_text() == jsonl_line(_trace("a")) + "\n"
+    assert stage.resumed_ids(tmp_path / "new.jsonl") == set() and (tmp_path / "new.jsonl").is_file()
+
 
 def test_row_ids_are_the_ids_already_written(tmp_path):
     p = _write_rows(tmp_path / "t.jsonl", [_trace("a"), "", _trace("b")])

@@ -4,9 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from specdraft.core.io import read_jsonl
 from specdraft.model.generation import Generation
 from specdraft.model.simple_decode import naive_greedy
-from specdraft.model.trace_backend import HFBackend, TraceBackend
+from specdraft.model.trace_backend import HFBackend, TraceBackend, append_generations
 
 
 class _Echo(TraceBackend):
@@ -40,6 +41,25 @@ def test_a_backend_declares_generate_and_defaults_the_rest():
     with backend as entered:
         assert entered is backend
     assert backend.closed == 1
+
+
+def test_append_generations_writes_a_row_per_prompt_and_counts_them(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    out.write_text('{"id": "earlier"}\n')
+    record = append_generations(_Echo(), out, [[5, 6], [7]], 3, lambda i, gen: {"id": str(i), "ids": gen.tokens},
+                                "echo")
+    assert [row for _, row in read_jsonl(out)] == [{"id": "earlier"}, {"id": "0", "ids": [5]}, {"id": "1", "ids": [7]}]
+    assert record["prompts"] == 2 and record["prompt_tokens"] == 3 and record["completion_tokens"] == 2
+    assert record["backend"] == "echo"
+
+
+def test_append_generations_refuses_a_backend_that_drops_a_prompt(tmp_path):
+    class Drops(_Echo):
+        def generate(self, prompts, max_new_tokens, top_logprobs=0):
+            yield 0, Generation([prompts[0][0]], "length")
+
+    with pytest.raises(RuntimeError, match="backend returned 1 of 2 prompts"):
+        append_generations(Drops(), tmp_path / "rows.jsonl", [[5], [7]], 3, lambda i, gen: {"id": str(i)}, "drops")
 
 
 def test_hf_backend_yields_every_prompt_once_as_alone_with_its_top_k(tiny_qwen3_dir):
