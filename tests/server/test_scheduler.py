@@ -185,6 +185,29 @@ def test_work_that_cannot_meet_its_deadline_is_refused_at_once():
         s.close(10)
 
 
+def test_an_idle_server_costs_a_request_by_its_own_work_after_a_burst_of_prefills():
+    """A burst whose every iteration prefilled a context, then timed out while running, leaves the measured
+    iteration slow; the idle server must still take a request that alone fits its deadline (its prefill at the
+    measured cost per token, its steps at the decode steps' cost), not cost its 16 steps as 16 prefill iterations
+    and refuse it, and every request after it, with nothing running to correct the estimate."""
+    def slow_prefill(what, contexts):
+        if what == "admit":
+            time.sleep(0.02 * len(contexts[0]))  # 0.2 s for 10 tokens; a decode step costs nothing
+
+    short = FakeLane(8, 10 + 16, 16, hook=slow_prefill)
+    s = Scheduler(short, None, num_draft=16, long_context_tokens=10, prefill_tokens=10).start()
+    try:
+        burst = [s.submit([i] * 10, 16, 0.7) for i in range(6)]  # one admitted an iteration: each 0.2 s
+        for r in burst:
+            with pytest.raises(TimeoutError):
+                r.future.result(10)
+        assert s.costs.iteration > 0.15 > 17 * s.costs.step  # the iterations were prefills, the steps cheap
+        taken = s.submit([9] * 10, 16, 1.5)  # alone: 0.2 s of prefill and 16 cheap steps
+        assert taken.future.result(10).tokens == expected([9] * 10, 16)
+    finally:
+        s.close(10)
+
+
 def test_admission_expects_a_request_that_may_stop_to_draft_what_such_requests_drafted_lately():
     """A request carrying stop_confidence is costed at the tokens stopping requests drafted, not its num_tokens: on an
     idle server whose drafts stop after their first token it is taken, where 16 steps would miss its deadline, and

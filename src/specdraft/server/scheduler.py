@@ -166,6 +166,10 @@ class Costs:
     """Running estimates (EWMA) of what the worker's work costs, for admission and the long chunk's size."""
 
     iteration: float | None = None  # seconds of one iteration
+    # seconds of one iteration's decode steps (the iteration less its prefills): what each further token of a request
+    # costs. Kept apart from the prefills so that an idle server does not cost a request's 16 steps at the price of
+    # the prefill-heavy iterations a burst left behind (it refused everything, with nothing running to correct it).
+    step: float | None = None
     short_work: float | None = None  # seconds of one iteration's short-lane work (decode step + admissions)
     per_token: float | None = None  # seconds per prefilled context token, short contexts (batched, whole)
     # a long context's chunk attends over all of its prefix, so its tokens cost more than a short prefill's
@@ -238,6 +242,7 @@ class Scheduler:
         self._load = Load()  # the worker's queue and lanes as of its last iteration, for submit's estimate
         self._thread: threading.Thread | None = None
         self.iterations = 0
+        self._prefill_seconds = 0.0  # the current iteration's prefills so far
         # the latest requests that reached the model (tests: a dropped one never does)
         self.computed_keys: deque[int] = deque(maxlen=COMPUTED_KEYS_KEPT)
 
@@ -317,6 +322,8 @@ class Scheduler:
             rows = load.short_waiting + load.short_running + len(inbox) + 1
             wait_for_slots = max(0, rows - self.short.slots) / self.short.slots * self.num_draft
             iterations = max(ahead / self.prefill_tokens, wait_for_slots) + num_tokens
+            if c.per_token is not None and c.step is not None:
+                return ahead * c.per_token + iterations * c.step
         return iterations * c.iteration
 
     def _chunk_size(self, busy: bool) -> int:
@@ -378,6 +385,7 @@ class Scheduler:
 
     def _iteration(self) -> None:
         started = time.perf_counter()
+        self._prefill_seconds = 0.0  # what this iteration's prefills took (``_measure_prefill``)
         self._drop_abandoned()
         rows = len(self._running)
         prefill = 0
@@ -404,6 +412,8 @@ class Scheduler:
         if rows or prefill:
             self.costs.iteration = Costs.blend(self.costs.iteration, seconds)
             self.costs.short_work = Costs.blend(self.costs.short_work, short_seconds)
+        if rows:
+            self.costs.step = Costs.blend(self.costs.step, max(0.0, seconds - self._prefill_seconds))
         self.iterations += 1
         self._publish_load()
         if self.observer is not None:
@@ -538,6 +548,7 @@ class Scheduler:
         return size
 
     def _measure_prefill(self, tokens: int, seconds: float, long: bool) -> None:
+        self._prefill_seconds += seconds
         if not tokens:
             return
         if long:
