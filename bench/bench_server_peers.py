@@ -148,8 +148,9 @@ class LlamaPeer:
 
     name, route = LLAMA, "/completion"
 
-    def __init__(self, args: argparse.Namespace, slot_context: int):
+    def __init__(self, args: argparse.Namespace, slot_context: int, cache_prompt: bool = False):
         self.binary, self.gguf, self.k = str(args.llama_server), str(args.gguf), args.num_tokens
+        self.cache_prompt = cache_prompt  # off in this benchmark: like specdraft serve, every request prefills whole
         self.threads, self.slot_context = args.threads, slot_context
         self.extra = shlex.split(args.llama_args)
         self.proc: subprocess.Popen | None = None
@@ -200,7 +201,7 @@ class LlamaPeer:
 
     def body(self, context_ids: list[int]) -> bytes:
         return json.dumps({"prompt": context_ids, "n_predict": self.k, "temperature": 0, "top_k": 1,
-                           "cache_prompt": False, "return_tokens": True}).encode()
+                           "cache_prompt": self.cache_prompt, "return_tokens": True}).encode()
 
     def tokens(self, answer: dict[str, Any]) -> list[int]:
         return answer["tokens"][: self.k]

@@ -48,6 +48,7 @@ def readme_results() -> str:
     """README's results table: acceptance per budget, speed per engine with its baseline, the demo's wall time."""
     fast, avx2 = load("demo.avx512-bf16"), load("demo.avx2")
     llama, peers = load("llamacpp_speed.avx512-bf16"), load("server_peers.avx512-bf16")
+    loop = load("server_loop_demo.avx2")["figures"]["levels"]
     b = fast["figures"]["budgets"]
     small2 = avx2["figures"]["budgets"]["small"]
     rows = [("trained draft (24 of the target's 30 layers, 4-bit pack)", "trained"),
@@ -70,10 +71,13 @@ def readme_results() -> str:
               f"{x(best['speedup'])} / {x(trained['speedup'])} |",
               f"| `specdraft serve` against `llama-server`, the same draft, 4 clients: answered/s | "
               f"{x(clients['ratio'])} |",
+              "| the same in a speculation loop (each call the whole context so far), both reusing their KV, "
+              + " / ".join(str(lv["loops"]) for lv in loop) + " loop(s): generated tokens per server-second, AVX2-only"
+              " EPYC | " + " / ".join(x(_loop_ratio(lv, "llama_server", "reuse")) for lv in loop) + " |",
               f"| `make demo` (small), the install included: AVX-512 + bf16 / AVX2-only EPYC | "
               f"{minutes(b['small']['wall_seconds'])} / {minutes(small2['wall_seconds'])} |",
               "",
-              f"Measured on an {machine(fast)} ({b['default']['date']} to {b['full']['date']}); the AVX2 figure on "
+              f"Measured on an {machine(fast)} ({b['default']['date']} to {b['full']['date']}); the AVX2 figures on "
               f"an {machine(avx2)} ({small2['date']}). `small` evaluates on {b['small']['eval_points']} "
               f"MT-bench points, `default` and `full` on {b['default']['eval_points']} and {b['full']['eval_points']} "
               "points of the packaged held-out set."]
@@ -156,12 +160,18 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
         result = json.loads(path.read_text())
         fig = result["figures"]
         levels = fig["levels"]
-        base, _ = _loop_settings(levels[0])
-        for name in _loop_settings(levels[0])[1]:
-            rows.append((f"`specdraft serve` in a speculation loop ({_loop_draft(fig)}): server time per generated "
-                         f"token, {_loop_setting_label(name)} against {_loop_setting_label(base)}, "
+        base, compared = _loop_settings(fig)
+        if not compared:  # a soak: one setting, many loops
+            r = levels[-1][base]
+            rows.append((f"`specdraft serve` soak, {levels[-1]['loops']} speculation loops ({_loop_draft(fig)}, "
+                         f"{_loop_prompts(fig)}): prefix cache peak / budget; server peak RSS; 503s waited out",
+                         f"{r['cache_peak_mb']:.1f} / {r['cache_budget_mb']:.0f} MB; {r['rss_mb_peak']:.0f} MB; "
+                         f"{r.get('refused_503', 0)}", f"{machine(result)}, {result['date']}", path.name))
+        for name in compared:
+            rows.append((f"`specdraft serve` in a speculation loop ({_loop_draft(fig)}, {_loop_prompts(fig)}): "
+                         f"server time per generated token, {_loop_setting_label(name)} / {_loop_setting_label(base)}, "
                          + " / ".join(f"{lv['loops']}" for lv in levels) + " loop(s)",
-                         " / ".join(x(lv[f"{name}_vs_{base}"]["ms_per_token"]) for lv in levels),
+                         " / ".join(x(_loop_ratio(lv, name, base)) for lv in levels),
                          f"{machine(result)}, {result['date']}", path.name))
     return rows
 
@@ -172,14 +182,22 @@ def _llama_cpp_agreement(fig: dict[str, Any]) -> dict[str, Any]:
 
 
 # a loop result's settings (bench/bench_server_loop.py): the baseline first, then each compared with it
-LOOP_SETTINGS = {"no_reuse": "no prefix reuse", "reuse": "prefix reuse", "full": "full drafts"}
+LOOP_SETTINGS = {"no_reuse": "no prefix reuse", "reuse": "prefix reuse", "full": "prefix reuse, full drafts",
+                 "llama_server": "llama-server, prompt cache on"}
 
 
-def _loop_settings(level: dict[str, Any]) -> tuple[str, list[str]]:
-    """(the baseline setting, the settings compared with it) of one level of a loop result."""
-    compared = [k.split("_vs_")[0] for k in level if "_vs_" in k]
-    base = next(k.split("_vs_")[1] for k in level if "_vs_" in k)
-    return base, compared
+def _loop_settings(fig: dict[str, Any]) -> tuple[str, list[str]]:
+    """(the baseline setting, the settings compared with it) of a loop result: prefix reuse with full drafts (named
+    ``full`` in results where every setting reused) is the baseline; a result of one setting (a soak) has only it."""
+    level = fig["levels"][0]
+    settings = [k for k, v in level.items() if isinstance(v, dict) and "calls" in v]
+    base = next((k for k in ("reuse", "full") if k in settings), settings[0])
+    return base, [k for k in settings if k != base]
+
+
+def _loop_ratio(level: dict[str, Any], name: str, base: str) -> float:
+    """A setting's server time per generated token over the baseline's (above 1: it costs more)."""
+    return level[name]["ms_per_token"] / level[base]["ms_per_token"]
 
 
 def _loop_setting_label(name: str) -> str:
@@ -189,8 +207,14 @@ def _loop_setting_label(name: str) -> str:
 
 
 def _loop_draft(fig: dict[str, Any]) -> str:
-    return ("a 6-layer stand-in draft" if fig["draft"].startswith("stand-in") else
-            "the target packed as its own draft")
+    if fig["draft"].startswith("stand-in"):
+        return "a 6-layer stand-in draft"
+    return "the target packed as its own draft" if "target-packed" in fig["draft_dir"] else fig["draft"]
+
+
+def _loop_prompts(fig: dict[str, Any]) -> str:
+    turn = "second turns after the target's first answers" if fig.get("turn") == 2 else "first turns"
+    return f"MT-bench {turn}, {fig['mean_prompt_tokens']:.0f}-token prompts"
 
 
 def benchmarks_summary() -> str:
@@ -256,25 +280,30 @@ def server_loop_tables() -> str:
     for path in sorted(RESULTS.glob("server_loop*.json")):
         result = json.loads(path.read_text())
         fig = result["figures"]
-        base, compared = _loop_settings(fig["levels"][0])
-        out += [f"**{_loop_draft(fig)}** ({fig['draft']}), {machine(result)}, {result['date']}, `{result['command']}`"
+        base, compared = _loop_settings(fig)
+        draft = _loop_draft(fig)
+        named = f"**{draft}**" if draft == fig["draft"] else f"**{draft}** ({fig['draft']})"
+        out += [f"{named}, {machine(result)}, {result['date']}, `{result['command']}`"
                 f" ([{path.name}](bench/results/{path.name})): {fig['prompts']}, {fig['new_tokens']} target tokens "
                 f"a prompt, {fig['prompts_per_loop']} prompts a loop, compute `{' '.join(fig['compute'])}`.", "",
                 "| loops | setting | calls | accepted / drafted per call | server ms per generated token | against "
-                f"{_loop_setting_label(base)} | p50 / p99 per call | peak RSS | drafts as the baseline's |",
-                "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+                f"{_loop_setting_label(base)} | p50 / p99 per call | peak RSS | prefix cache peak / budget "
+                "| drafts as the baseline's |",
+                "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for lv in fig["levels"]:
             for name in [base] + compared:
                 r = lv[name]
                 drafted = f"{r['mean_drafted']:.2f}" if "mean_drafted" in r else str(fig["num_draft"])
-                ratio = x(lv[f"{name}_vs_{base}"]["ms_per_token"]) if name != base else "1.00×"
-                agreement = lv.get(f"{name}_agreement") or lv.get("agreement") if name != base else None
+                ratio = x(_loop_ratio(lv, name, base))
+                agreement = (lv.get(f"{name}_agreement") or lv.get("agreement")) if name != base else None
                 same = ("—" if agreement is None else
                         f"{100 * agreement.get('identical_drafts', agreement.get('prefix_of_full', 0)):.0f}% "
                         + ("identical" if "identical_drafts" in agreement else "a prefix"))
+                cache = (f"{r['cache_peak_mb']:.1f} / {r['cache_budget_mb']:.0f} MB" if r.get("cache_budget_mb")
+                         else "—")
                 out.append(f"| {lv['loops']} | {_loop_setting_label(name)} | {r['calls']} | "
                            f"{r['mean_accepted']:.2f} / {drafted} | {r['ms_per_token']:.0f} | {ratio} | "
-                           f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f} ms | {r['rss_mb_peak']:.0f} MB | {same} |")
+                           f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f} ms | {r['rss_mb_peak']:.0f} MB | {cache} | {same} |")
         out.append("")
     return "\n".join(out).rstrip() if out else "(no loop results yet: `bench/bench_server_loop.py`)"
 
