@@ -4,6 +4,7 @@ draft server over HTTP, and contexts prompt lookup drafts from."""
 import threading
 import time
 
+from specdraft.model.prefix_cache import PrefixCache
 from specdraft.server.scheduler import Draft
 
 
@@ -99,6 +100,12 @@ class FakeEngine:
         # what ``model.loader.resolve_compute`` says of a compute given on the command line
         self.compute_choice = {"compute": self.compute, "prefill": self.compute, "requested": self.compute,
                                "reason": f"--compute {self.compute}"}
+
+    def prefix_cache(self, block_tokens, budget_bytes):
+        return PrefixCache(block_tokens, budget_bytes)
+
+    def close(self):
+        pass
 
     def lane(self, slots, capacity, num_draft, prefix_cache=None):
         lane = FakeLane(slots, capacity, num_draft, self.vocab_size, self.delay, self.gate, self.fail_when)

@@ -14,7 +14,7 @@ from servers import ThreadServer, metric_samples, post_together
 from specdraft.model.generation import DraftSampling
 from specdraft.server.app import create_app
 from specdraft.server.config import ServeConfig
-from specdraft.server.engine import SlotLane, load_engine
+from specdraft.server.engine import load_engine, torch_lane
 from specdraft.server.scheduler import Draft
 
 BLOCK = 8
@@ -151,7 +151,7 @@ def test_metrics_count_the_stopped_drafts_and_the_tokens_they_did_not_draft(url,
 def test_a_stopped_row_leaves_its_slot_at_once(engine):
     """A row whose first token already stops it (every confidence is below 1) is answered at its admission and frees
     its slot; the row beside it decodes on alone."""
-    lane = SlotLane(engine.model, 2, 64, NUM_DRAFT)
+    lane = torch_lane(engine.model, 2, 64, NUM_DRAFT)
     drafts = lane.admit([0, 1], [[3, 4, 5], [6, 7, 8]], [DraftSampling(stop_confidence=1.0), DraftSampling()])
     assert drafts[0].stopped and len(drafts[0].tokens) == 1 and not drafts[1].stopped
     assert lane.free == 1 and lane.decoder.index == [1]

@@ -16,7 +16,7 @@ from specdraft.model.prefix_cache import PrefixCache
 from specdraft.model.sampling import SamplingParams
 from specdraft.server.app import create_app
 from specdraft.server.config import ServeConfig
-from specdraft.server.engine import SlotLane, load_engine
+from specdraft.server.engine import load_engine, torch_lane
 from specdraft.server.scheduler import CANCELLED, Overloaded, Scheduler
 
 BLOCK = 8
@@ -32,7 +32,7 @@ def model(packed_dir):
 
 def alone(model, context, num_tokens, sampling=DraftSampling()):
     """The draft a request gets alone, its context prefilled in blocks with nothing cached."""
-    lane = SlotLane(model, 1, len(context) + num_tokens, num_tokens, prefix_cache=PrefixCache(BLOCK, 0))
+    lane = torch_lane(model, 1, len(context) + num_tokens, num_tokens, prefix_cache=PrefixCache(BLOCK, 0))
     draft = lane.admit([0], [context], [sampling])[0]
     while len(draft.tokens) < num_tokens:
         draft = lane.step()[0]
@@ -40,8 +40,8 @@ def alone(model, context, num_tokens, sampling=DraftSampling()):
 
 
 def cached_scheduler(model, cache: PrefixCache, num_draft: int) -> Scheduler:
-    short = SlotLane(model, 4, LONG_CONTEXT + num_draft, num_draft, prefix_cache=cache)
-    long = SlotLane(model, 1, 160 + num_draft, num_draft, prefix_cache=cache)
+    short = torch_lane(model, 4, LONG_CONTEXT + num_draft, num_draft, prefix_cache=cache)
+    long = torch_lane(model, 1, 160 + num_draft, num_draft, prefix_cache=cache)
     return Scheduler(short, long, num_draft=num_draft, long_context_tokens=LONG_CONTEXT, prefill_tokens=32,
                      chunk_tokens=BLOCK).start()
 

@@ -15,7 +15,7 @@ from fakes import FakeLane, expected
 from specdraft.model.decode import draft_batch, draft_rows
 from specdraft.model.generation import DraftSampling
 from specdraft.model.sampling import SamplingParams
-from specdraft.server.engine import SlotLane
+from specdraft.server.engine import torch_lane
 from specdraft.server.scheduler import (
     CANCELLED,
     COMPUTED_KEYS_KEPT,
@@ -366,8 +366,8 @@ def model(tiny_qwen3_dir):
 
 def real_lanes_scheduler(model, num_draft: int, long_context: int = 24) -> Scheduler:
     """A started scheduler over real slot lanes: 4 short rows, and one long row prefilled in chunks of 8."""
-    short = SlotLane(model, 4, long_context + num_draft, num_draft)
-    long = SlotLane(model, 1, 120 + num_draft, num_draft)
+    short = torch_lane(model, 4, long_context + num_draft, num_draft)
+    long = torch_lane(model, 1, 120 + num_draft, num_draft)
     return Scheduler(short, long, num_draft=num_draft, long_context_tokens=long_context, prefill_tokens=32,
                      chunk_tokens=8).start()
 

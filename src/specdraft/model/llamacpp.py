@@ -10,6 +10,7 @@ target. ``requantize`` is llama.cpp's ``llama-quantize`` (full-precision targets
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,6 +24,7 @@ INSTALL_HINT = "pip install 'specdraft[llama]' (llama-cpp-python, which builds l
 GGUF_MAGIC = b"GGUF"
 # the llama_ftype values of llama.h that requantize takes, by name
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
+CTX_PAD = 256  # llama.cpp pads a sequence's cells to a multiple of this
 
 
 def llama_cpp_module():
@@ -59,6 +61,56 @@ def check_gguf_file(path: str | os.PathLike) -> Path:
     if magic != GGUF_MAGIC:
         raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, not {GGUF_MAGIC!r})")
     return path
+
+
+def load_gguf_model(path: str | os.PathLike) -> Any:
+    """A GGUF file loaded by llama.cpp's C API (``llama_model_free`` it), quiet as ``Llama(verbose=False)``; else
+    ValueError naming the file."""
+    lib = llama_cpp_module()
+    path = check_gguf_file(path)
+    # llama.cpp's load log, quiet as ``Llama(verbose=False)`` makes it (llama-cpp-python's log callback)
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    lib.llama_backend_init()
+    model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+    if not model:
+        raise ValueError(f"{path}: llama.cpp could not load it")
+    return model
+
+
+def sequences_context(model: Any, sequences: int, capacity: int, batch_tokens: int, threads: int,
+                      name: str) -> tuple[Any, int]:
+    """A llama.cpp context of ``sequences`` sequences with cells of their own (``kv_unified`` off: a sequence's
+    attention never reads another's), each at least ``capacity`` positions, at most ``batch_tokens`` tokens per
+    ``llama_decode``, flash attention on; and the positions each sequence gets. RuntimeError or ValueError naming
+    ``name`` when llama.cpp cannot make it."""
+    lib = llama_cpp_module()
+    if not 1 <= sequences <= lib.llama_max_parallel_sequences():
+        raise ValueError(f"{name}: {sequences} sequences; llama.cpp holds 1 to {lib.llama_max_parallel_sequences()}")
+    params = lib.llama_context_default_params()
+    # llama.cpp pads each sequence's cells to a multiple of 256: ask for that, so n_ctx divides evenly
+    per_sequence = -(-capacity // CTX_PAD) * CTX_PAD
+    params.n_ctx, params.n_seq_max = sequences * per_sequence, sequences
+    params.n_batch = params.n_ubatch = batch_tokens
+    params.n_threads = params.n_threads_batch = threads
+    # flash attention on, as llama.cpp's own tools choose it on a CPU (as ``LlamaCppModel``)
+    params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    params.kv_unified = False
+    params.no_perf = True
+    ctx = lib.llama_init_from_model(model, params)
+    if not ctx:
+        raise RuntimeError(f"{name}: llama.cpp could not make a context of {sequences} sequences x {capacity} "
+                           "positions (memory?)")
+    per_sequence = lib.llama_n_ctx_seq(ctx)
+    if per_sequence < capacity:
+        lib.llama_free(ctx)
+        raise ValueError(f"{name}: {capacity} positions per sequence exceed what llama.cpp gives ({per_sequence})")
+    return ctx, per_sequence
+
+
+def logits_row(ctx: Any, index: int, vocab_size: int) -> np.ndarray:
+    """The logits of batch entry ``index`` of the last ``llama_decode``: [vocab], a view of llama.cpp's buffer
+    (the next decode overwrites it)."""
+    return np.ctypeslib.as_array(llama_cpp_module().llama_get_logits_ith(ctx, index), shape=(vocab_size,))
 
 
 class LlamaCppModel:

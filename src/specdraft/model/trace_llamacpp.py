@@ -15,7 +15,6 @@ llama-cpp-python is imported only when a backend is built (``model.llamacpp.llam
 
 from __future__ import annotations
 
-import logging
 import os
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,12 +26,18 @@ import torch
 
 from specdraft.core.io import read_json, sha256_file
 from specdraft.model.generation import Generation, top_logprobs_of
-from specdraft.model.llamacpp import check_gguf_file, llama_cpp_module, llama_cpp_version
+from specdraft.model.llamacpp import (
+    check_gguf_file,
+    llama_cpp_module,
+    llama_cpp_version,
+    load_gguf_model,
+    logits_row,
+    sequences_context,
+)
 from specdraft.model.llamacpp_check import engine_problem
 from specdraft.model.specs import CONVERSION_RECORD, ModelSpecError, embedded_gguf_path
 from specdraft.model.trace_backend import TraceBackend
 
-CTX_PAD = 256
 COMPUTES = ("the target's GGUF file as llama.cpp computes it (quantised weights, 8-bit quantised activations, "
             "llama.cpp's CPU kernels), not the float32 model transformers dequantises from it")
 
@@ -93,12 +98,7 @@ class LlamaCppBackend(TraceBackend):
             raise ValueError(f"sequences {sequences}: llama.cpp holds 1 to {lib.llama_max_parallel_sequences()}")
         self.sequences, self.threads = sequences, threads or os.cpu_count() or 1
         self.batch_tokens = max(batch_tokens, sequences)  # every live sequence's next token fits one call
-        # llama.cpp's load log, quiet as ``Llama(verbose=False)`` makes it (llama-cpp-python's log callback)
-        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-        lib.llama_backend_init()
-        self.model = lib.llama_model_load_from_file(str(self.path).encode(), lib.llama_model_default_params())
-        if not self.model:
-            raise ValueError(f"{self.path}: llama.cpp could not load it")
+        self.model = load_gguf_model(self.path)
         vocab = lib.llama_model_get_vocab(self.model)
         self.vocab_size = lib.llama_vocab_n_tokens(vocab)
         # the GGUF's end of sequence and end of turn (-1 where the file has none)
@@ -172,24 +172,9 @@ class LlamaCppBackend(TraceBackend):
         if self.ctx:
             lib.llama_free(self.ctx)
             self.ctx = None
-        params = lib.llama_context_default_params()
-        # llama.cpp pads each sequence's cells to a multiple of 256: ask for that, so n_ctx divides evenly
-        per_sequence = -(-capacity // CTX_PAD) * CTX_PAD
-        params.n_ctx, params.n_seq_max = sequences * per_sequence, sequences
-        params.n_batch = params.n_ubatch = self.batch_tokens
-        params.n_threads = params.n_threads_batch = self.threads
-        # flash attention on, as llama.cpp's own tools choose it on a CPU (as ``LlamaCppModel``)
-        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.kv_unified = False  # cells of its own per sequence: a row's attention never reads another's
-        params.no_perf = True
-        self.ctx = lib.llama_init_from_model(self.model, params)
-        if not self.ctx:
-            raise RuntimeError(f"{self.path.name}: llama.cpp could not make a context of {sequences} sequences "
-                               f"x {capacity} positions (memory?)")
-        self.n_seq, self.n_ctx_seq = sequences, lib.llama_n_ctx_seq(self.ctx)
-        if self.n_ctx_seq < capacity:
-            raise ValueError(f"{self.path.name}: {capacity} positions per sequence exceed what llama.cpp gives "
-                             f"({self.n_ctx_seq})")
+        self.ctx, self.n_ctx_seq = sequences_context(self.model, sequences, capacity, self.batch_tokens,
+                                                     self.threads, self.path.name)
+        self.n_seq = sequences
 
     def _fill_batch(self, rows: list[_Row | None]) -> list[tuple[int, int]]:
         """The next ``llama_decode`` batch: the next piece of a prompt being prefilled, alone, else every live
@@ -223,8 +208,7 @@ class LlamaCppBackend(TraceBackend):
         if not outputs:
             return []
         # [n, V], a copy: the next decode reuses llama.cpp's buffer
-        logits = np.stack([np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.vocab_size,))
-                           for _, i in outputs])
+        logits = np.stack([logits_row(self.ctx, i, self.vocab_size) for _, i in outputs])
         greedy = logits.argmax(-1).tolist()
         tops = top_logprobs_of(torch.from_numpy(logits), top_logprobs) if top_logprobs else None
         done = []

@@ -30,10 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdraft import __version__
 from specdraft.model.loader import ModelLoadError
-from specdraft.model.prefix_cache import PrefixCache
 from specdraft.model.specs import load_config, text_config
 from specdraft.server.config import ServeConfig
-from specdraft.server.engine import DraftEngine, heap_trimmer, load_engine
+from specdraft.server.engine import DraftEngine, PrefixStore, heap_trimmer, load_engine, load_llamacpp_engine
 from specdraft.server.metrics import ServerMetrics
 from specdraft.server.scheduler import (
     ANSWERED,
@@ -103,7 +102,7 @@ class ServerState:
         self.vocab_size = vocab_size  # config.json's: the request schema's, which a loaded draft must match
         self.engine: DraftEngine | None = None  # None until the weights are loaded
         self.scheduler: Scheduler | None = None
-        self.prefix_cache: PrefixCache | None = None  # shared by both lanes; None when --prefix-cache-mb is 0
+        self.prefix_cache: PrefixStore | None = None  # shared by both lanes; None when --prefix-cache-mb is 0
         self.loader: threading.Thread | None = None
         self.status = "loading"
         self.error: str | None = None
@@ -122,8 +121,10 @@ class ServerState:
         """Load the draft named by the config and serve it; on failure, say so in ``/health`` and tell the caller."""
         cfg = self.config
         try:
-            loaded = load_engine(cfg.model_dir, cfg.weights, cfg.compute, cfg.model_name, cfg.int4_prefill, cfg.lean,
-                                 cfg.device)
+            loaded = (load_llamacpp_engine(cfg.model_dir, cfg.gguf, cfg.model_name, cfg.threads)
+                      if cfg.engine == "llama.cpp" else
+                      load_engine(cfg.model_dir, cfg.weights, cfg.compute, cfg.model_name, cfg.int4_prefill, cfg.lean,
+                                  cfg.device))
             if loaded.vocab_size != self.vocab_size:
                 raise ValueError(f"loaded vocab {loaded.vocab_size} != config.json vocab {self.vocab_size}")
             self.start(loaded)
@@ -138,7 +139,7 @@ class ServerState:
         after_iteration = _heap_trimming(cfg.trim_heap)  # trims once now, before the lanes take their memory
         short_context = min(cfg.long_context_tokens, self.max_context)
         budget = cfg.prefix_cache_bytes()
-        self.prefix_cache = PrefixCache(cfg.prefix_block_tokens, budget) if budget else None
+        self.prefix_cache = engine.prefix_cache(cfg.prefix_block_tokens, budget) if budget else None
         if self.prefix_cache is not None:
             self.metrics.watch_prefix_cache(self.prefix_cache.stats)
         log.info("prefix cache: %s", f"{budget / 2**20:.0f} MiB in blocks of {cfg.prefix_block_tokens} tokens"
@@ -196,6 +197,8 @@ class ServerState:
         if self.scheduler is not None:
             self.scheduler.close(timeout)
             log.info("scheduler stopped after %d iterations", self.scheduler.iterations)
+        if self.engine is not None and (self.scheduler is None or not self.scheduler.running):
+            self.engine.close()  # the worker is done with it
 
 
 def _heap_trimming(enabled: bool) -> Callable[[], None] | None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from specdraft.core.config import StageConfig
 from specdraft.core.wire import DRAFT_TOKENS, MAX_DRAFT_TOKENS
@@ -23,6 +24,12 @@ class ServeConfig(StageConfig):
     weights: str | None = Field(
         None, description="QD04 weight file, read by the strict QD04 loader (default: MODEL_DIR/draft.qd4 when "
                           "present; from_pretrained on MODEL_DIR only when there is no weight file)")
+    engine: Literal["torch", "llama.cpp"] = Field(
+        "torch", description="what runs the draft: torch (the QD04 pack, in the --compute format), or llama.cpp "
+                             "(its GGUF export, --gguf, through llama-cpp-python: the `specdraft[llama]` extra); "
+                             "docs/stages/serve.md says which is faster on which CPU")
+    gguf: str | None = Field(None, description="with --engine llama.cpp: the GGUF file `specdraft export MODEL_DIR "
+                                               "--format gguf` wrote of this draft (its export record is checked)")
     host: str = Field("127.0.0.1", description="address to bind (loopback by default)")
     port: int = Field(8000, ge=0, le=65535,
                       description="TCP port; 0 picks a free one (the log line 'listening on http://HOST:PORT' "
@@ -95,6 +102,12 @@ class ServeConfig(StageConfig):
         32, ge=1, le=512, description="with the prefix cache: contexts are prefilled in blocks of this many tokens "
                                       "and reused in whole blocks (smaller: less recomputed after a hit, more "
                                       "model calls on a miss)")
+
+    @model_validator(mode="after")
+    def _gguf_with_llamacpp(self) -> "ServeConfig":
+        if (self.engine == "llama.cpp") != (self.gguf is not None):
+            raise ValueError("--engine llama.cpp serves a GGUF file: give --gguf with it, and only with it")
+        return self
 
     def prefix_cache_bytes(self) -> int:
         """The prefix cache's budget: --prefix-cache-mb, or by default a share of the memory available now."""

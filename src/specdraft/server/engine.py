@@ -15,17 +15,22 @@ import ctypes
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from torch import nn
 
+from specdraft.core.io import read_json, sha256_file
 from specdraft.model.decode import draft_batch, draft_rows
 from specdraft.model.generation import DraftSampling, Generation, RowSampler
 from specdraft.model.lean import lean_forward, lean_unsupported
-from specdraft.model.loader import load_draft
-from specdraft.model.prefix_cache import PrefixCache
+from specdraft.model.llamacpp import check_gguf_file, llama_cpp_module, llama_cpp_version, load_gguf_model
+from specdraft.model.llamacpp_check import engine_problem
+from specdraft.model.llamacpp_slots import LlamaCppSlots, SessionCache
+from specdraft.model.loader import load_draft, packed_weight_file
+from specdraft.model.prefix_cache import PrefixCache, PrefixCacheStats
 from specdraft.model.slot_engine import SlotDecoder
 from specdraft.model.specs import text_config
 from specdraft.quant.compute_choice import SERVE_WORKLOAD, ComputeSetting
@@ -48,9 +53,23 @@ class DraftEngine(Protocol):
     vocab_size: int
     max_positions: int | None  # the model's positions (None: its config does not say)
 
-    def lane(self, slots: int, capacity: int, num_draft: int, prefix_cache: PrefixCache | None = None) -> Lane:
+    def prefix_cache(self, block_tokens: int, budget_bytes: int) -> PrefixStore:
+        """The prefix cache its lanes share, of ``budget_bytes`` in blocks of ``block_tokens``."""
+
+    def close(self) -> None:
+        """Free what the engine holds outside Python's reach, once its lanes are done (the server's stop)."""
+
+    def lane(self, slots: int, capacity: int, num_draft: int, prefix_cache: Any = None) -> Lane:
         """``slots`` rows decoding together, each holding ``capacity`` tokens (context + ``num_draft``), reusing
-        the blocks ``prefix_cache`` holds (None: every context prefilled whole)."""
+        what ``prefix_cache`` (this engine's own) holds (None: every context prefilled whole)."""
+
+
+class PrefixStore(Protocol):
+    """What the server reads of an engine's prefix cache: its block size and its figures (``/health``, ``/metrics``)."""
+
+    block_tokens: int
+
+    def stats(self) -> PrefixCacheStats: ...
 
 
 @dataclass
@@ -76,8 +95,14 @@ class Engine:
         """Drafts with per-row settings and probabilities, as the server's lanes decode them."""
         return draft_rows(self.model, contexts, num_tokens, sampling, lean=self.lean)
 
+    def prefix_cache(self, block_tokens: int, budget_bytes: int) -> PrefixCache:
+        return PrefixCache(block_tokens, budget_bytes)
+
+    def close(self) -> None:
+        pass  # torch frees the model with its last reference
+
     def lane(self, slots: int, capacity: int, num_draft: int, prefix_cache: PrefixCache | None = None) -> "SlotLane":
-        return SlotLane(self.model, slots, capacity, num_draft, lean=self.lean, prefix_cache=prefix_cache)
+        return torch_lane(self.model, slots, capacity, num_draft, lean=self.lean, prefix_cache=prefix_cache)
 
     def bytes_per_token(self) -> int:
         """Weight bytes one decode step reads at batch 1 (linear layers; the embedding row is negligible)."""
@@ -85,14 +110,12 @@ class Engine:
 
 
 class SlotLane:
-    """Rows of one KV cache (``SlotDecoder``, exact rows), keyed by the scheduler's request keys."""
+    """Rows of one decoder (``SlotDecoder``, or ``LlamaCppSlots``: exact rows), keyed by the scheduler's request
+    keys."""
 
-    def __init__(self, model: nn.Module, slots: int, capacity: int, num_draft: int, lean: bool = True,
-                 prefix_cache: PrefixCache | None = None):
-        self.decoder = SlotDecoder(model, slots, capacity, num_draft, eos=set(), lean=lean, row_attention=True,
-                                   prefix_cache=prefix_cache)
-        self.slots, self.capacity = slots, capacity
-        self.block_tokens = 0 if prefix_cache is None else prefix_cache.block_tokens
+    def __init__(self, decoder: SlotDecoder | LlamaCppSlots, slots: int, capacity: int, block_tokens: int):
+        self.decoder = decoder
+        self.slots, self.capacity, self.block_tokens = slots, capacity, block_tokens
 
     @property
     def free(self) -> int:
@@ -126,6 +149,14 @@ class SlotLane:
 
     def release(self, keys: Sequence[int]) -> None:
         self.decoder.release(keys)
+
+
+def torch_lane(model: nn.Module, slots: int, capacity: int, num_draft: int, lean: bool = True,
+               prefix_cache: PrefixCache | None = None) -> SlotLane:
+    """A lane of ``slots`` rows of the torch ``model`` (``SlotDecoder``, each row computed as alone)."""
+    decoder = SlotDecoder(model, slots, capacity, num_draft, eos=set(), lean=lean, row_attention=True,
+                          prefix_cache=prefix_cache)
+    return SlotLane(decoder, slots, capacity, 0 if prefix_cache is None else prefix_cache.block_tokens)
 
 
 def _draft_so_far(tokens: list[int], sampler: RowSampler | None) -> Draft:
@@ -175,3 +206,92 @@ def load_engine(model_dir: str | os.PathLike, weights: str | os.PathLike | None,
     return Engine(model=model, name=name or Path(model_dir).resolve().name, compute=summary["compute"],
                   vocab_size=int(text.vocab_size), max_positions=getattr(text, "max_position_embeddings", None),
                   weights=source.get("weights"), load_info=info, lean=lean, compute_choice=source["compute_choice"])
+
+
+# ---------------------------------------------------------------------------------------------- llama.cpp
+
+GGUF_RECORD_SUFFIX = ".export.json"  # model.export's record beside a GGUF file it wrote
+
+
+@dataclass
+class LlamaCppEngine:
+    """The draft's GGUF export served by llama.cpp (``--engine llama.cpp``): the same ``DraftEngine``, its lanes
+    ``model.llamacpp_slots.LlamaCppSlots``. ``close`` frees the model."""
+
+    model: Any  # llama.cpp's model handle
+    path: Path
+    name: str
+    compute: str
+    vocab_size: int
+    max_positions: int | None
+    threads: int
+    compute_choice: dict[str, Any] = field(default_factory=dict)
+    lanes: list[LlamaCppSlots] = field(default_factory=list)
+
+    def prefix_cache(self, block_tokens: int, budget_bytes: int) -> SessionCache:
+        return SessionCache(budget_bytes)  # token granularity, whatever the block size (model.llamacpp_slots: why)
+
+    def lane(self, slots: int, capacity: int, num_draft: int, prefix_cache: SessionCache | None = None) -> SlotLane:
+        if not self.model:
+            raise RuntimeError(f"{self.path.name}: the engine is closed")
+        decoder = LlamaCppSlots(self.model, slots, capacity, num_draft, eos=set(), vocab_size=self.vocab_size,
+                                threads=self.threads, cache=prefix_cache, name=self.path.name)
+        self.lanes.append(decoder)
+        return SlotLane(decoder, slots, capacity, 0 if prefix_cache is None else prefix_cache.block_tokens)
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.close()
+        self.lanes.clear()
+        if self.model:
+            llama_cpp_module().llama_model_free(self.model)
+            self.model = None
+
+
+def gguf_of(model_dir: str | os.PathLike, gguf: str | os.PathLike) -> Path:
+    """``gguf``, when its export record (``<file>.export.json``) says it holds the weights of ``model_dir``'s draft;
+    else ValueError naming the file and what differs. Nothing is taken from file names."""
+    path = check_gguf_file(gguf)
+    record_path = path.with_name(path.name + GGUF_RECORD_SUFFIX)
+    if not record_path.is_file():
+        raise ValueError(f"{path}: no export record {record_path.name} beside it, so nothing says which draft it "
+                         f"holds (write it with `specdraft export {model_dir} --format gguf`)")
+    record = read_json(record_path)
+    weights = packed_weight_file(model_dir)
+    if weights is None:
+        raise ValueError(f"{model_dir}: no QD04 weight file; --engine llama.cpp serves the GGUF export of a packed "
+                         "draft")
+    want = sha256_file(weights)
+    source = record.get("source", {})
+    if source.get("weights_sha256") != want:
+        raise ValueError(f"{path}: exported from weights {str(source.get('weights_sha256'))[:12]}... "
+                         f"({source.get('model_dir')}), not {weights} ({want[:12]}...): export this draft again")
+    if sha256_file(path) != record.get("output", {}).get("sha256"):
+        raise ValueError(f"{path}: its sha256 differs from the one {record_path.name} records (changed since export)")
+    return path
+
+
+def load_llamacpp_engine(model_dir: str | os.PathLike, gguf: str | os.PathLike, name: str | None = None,
+                         threads: int | None = None) -> LlamaCppEngine:
+    """The GGUF export of ``model_dir``'s draft in llama.cpp (checked against its export record), after llama.cpp
+    has shown in a child process that it runs on this CPU."""
+    started = time.perf_counter()
+    path = gguf_of(model_dir, gguf)
+    problem = engine_problem()  # in a child first: an engine that dies of an instruction would take us along
+    if problem:
+        raise RuntimeError(problem)
+    lib = llama_cpp_module()
+    model = load_gguf_model(path)
+    buffer = ctypes.create_string_buffer(256)
+    lib.llama_model_desc(model, buffer, len(buffer))
+    description = buffer.value.decode(errors="replace")
+    threads = threads or max(1, (os.cpu_count() or 2) - 1)
+    reason = (f"--engine llama.cpp: {path.name} ({description}) through llama-cpp-python "
+              f"{llama_cpp_version()}, {threads} thread(s)")
+    log.info("draft ready in llama.cpp: %s, %.2fs", reason, time.perf_counter() - started)
+    vocab = lib.llama_model_get_vocab(model)
+    return LlamaCppEngine(model=model, path=path, name=name or Path(model_dir).resolve().name,
+                          compute=f"llama.cpp {description}", vocab_size=int(lib.llama_vocab_n_tokens(vocab)),
+                          max_positions=int(lib.llama_model_n_ctx_train(model)) or None, threads=threads,
+                          compute_choice={"compute": "llama.cpp", "engine": "llama.cpp", "gguf": str(path),
+                                          "model": description, "threads": threads, "reason": reason})
