@@ -453,3 +453,130 @@ def test_kd_stored_needs_traces_that_kept_a_distribution(tiny_traces, tiny_targe
         run_train(_cfg(tiny_traces, tiny_target, tmp_path / "x", kd_stored=True))
     with pytest.raises(ValueError, match="choose one teacher"):
         _cfg(tiny_traces, tiny_target, tmp_path / "y", kd_stored=True, kd=True)
+
+
+# ------------------------------------------------------------------------------------------- precision
+
+AVX2 = {"capability": "AVX2", "avx512_bf16": False, "amx": False}
+
+
+def _measuring(patch, bf16_time: float, calls: list | None = None) -> None:
+    """``auto`` on this CPU times with a fake: bf16 takes ``bf16_time`` times float32's time, on any machine."""
+    real = train_stage.resolve_train_precision
+
+    def measure(precision, shape, rows):
+        if calls is not None:
+            calls.append(precision)
+        return 1e-3 * (bf16_time if precision == "bf16" else 1.0)
+    patch.setattr(train_stage, "resolve_train_precision", lambda *a, **k: real(*a, **k, measure=measure, cpu=AVX2))
+
+
+def _recording_precision(patch, used: list) -> None:
+    """Record the mixed precision accelerate trains each micro-batch in."""
+    original = train_stage.train_step
+
+    def train_step(run, batch, step):
+        used.append((run.accelerator.mixed_precision, run.accelerator.native_amp))
+        return original(run, batch, step)
+    patch.setattr(train_stage, "train_step", train_step)
+
+
+@pytest.mark.parametrize("setting, bf16_time, expected", [("auto", 0.5, "bf16"), ("auto", 0.9, "no"),
+                                                          ("no", 0.5, "no")])
+def test_auto_on_a_cpu_trains_in_the_precision_it_measured_and_records_why(tiny_traces, tiny_target, tmp_path,
+                                                                           monkeypatch, setting, bf16_time, expected):
+    """bf16 twice as fast: bf16; 1.1x: under the margin, float32; an explicit setting: as given, not measured.
+    (bf16 first: a later run in the same process trains in another precision.)"""
+    calls: list = []
+    used: list = []
+    _measuring(monkeypatch, bf16_time, calls)
+    _recording_precision(monkeypatch, used)
+    out = tmp_path / "run"
+    meta = run_train(_cfg(tiny_traces, tiny_target, out, max_steps=2, eval_every=2, mixed_precision=setting))
+    assert set(used) == {(expected, expected == "bf16")}
+    choice = meta["precision_choice"]
+    assert (choice["precision"], choice["requested"], choice["given"]) == (expected, setting, setting != "auto")
+    assert not choice["kept_from_first_sitting"]
+    if setting == "auto":
+        assert set(calls) == {"no", "bf16"} and choice["reason"].startswith("measured one training step's")
+        assert choice["measured"]["float32"]["seconds_per_step"] > 0 and choice["measured"]["bf16"]
+        assert choice["rows"]["rows"] == 256 and 0 < choice["rows"]["head_rows"] < 256  # the labelled share
+    else:
+        assert calls == [] and choice["reason"] == "--mixed-precision no"
+    state = json.loads((out / "last" / "trainer_state.json").read_text())
+    assert state["precision_choice"] == {k: v for k, v in choice.items() if k != "kept_from_first_sitting"}
+    name = {"no": "float32", "bf16": "bf16"}[expected]
+    assert f"mixed precision: {name}, {choice['reason']}" in (out / "train.log").read_text()
+
+
+def test_a_resumed_run_keeps_the_precision_its_first_sitting_chose(tiny_traces, tiny_target, tmp_path,
+                                                                     monkeypatch):
+    """The first sitting measured bf16 faster; the second would measure float32 faster, but does not measure: it
+    trains on in bf16, to the weights of an uninterrupted bf16 run."""
+    with monkeypatch.context() as patch:
+        _measuring(patch, 0.5)
+        full = run_train(_cfg(tiny_traces, tiny_target, tmp_path / "full", max_steps=8))
+    assert full["precision_choice"]["precision"] == "bf16"
+    part = _cfg(tiny_traces, tiny_target, tmp_path / "part", max_steps=8)
+    original = train_stage.lr_at
+
+    class Killed(Exception):
+        pass
+
+    def killing_lr(step, total, cfg):
+        if step == 5:
+            raise Killed
+        return original(step, total, cfg)
+
+    with monkeypatch.context() as patch:
+        _measuring(patch, 0.5)
+        patch.setattr(train_stage, "lr_at", killing_lr)
+        with pytest.raises(Killed):
+            run_train(part)
+    calls: list = []
+    used: list = []
+    with monkeypatch.context() as patch:
+        _measuring(patch, 3.0, calls)  # bf16 now far slower: a new measurement would pick float32
+        _recording_precision(patch, used)
+        resumed = run_train(part)
+    assert resumed["resumed_from_step"] == 4 and calls == [] and set(used) == {("bf16", True)}
+    choice = resumed["precision_choice"]
+    assert choice["kept_from_first_sitting"] and choice["precision"] == "bf16"
+    assert {k: v for k, v in choice.items() if k != "kept_from_first_sitting"} == \
+        {k: v for k, v in full["precision_choice"].items() if k != "kept_from_first_sitting"}  # the first's figures
+    a = load_file(tmp_path / "full" / "last" / "model.safetensors")
+    b = load_file(tmp_path / "part" / "last" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_state_that_recorded_no_choice_resumes_in_float32_on_a_cpu(tiny_traces, tiny_target, tmp_path,
+                                                                      monkeypatch):
+    """A resume state written before the choice was recorded trained under auto's earlier rule: float32 on a CPU."""
+    cfg = _cfg(tiny_traces, tiny_target, tmp_path / "run", max_steps=2, eval_every=2)
+    run_train(cfg)
+    state_file = tmp_path / "run" / "last" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({k: v for k, v in state.items() if k != "precision_choice"}))
+    calls: list = []
+    _measuring(monkeypatch, 0.5, calls)  # measured, bf16 would win
+    choice = run_train(cfg)["precision_choice"]
+    assert calls == [] and choice["precision"] == "no" and choice["kept_from_first_sitting"]
+    assert "recorded no choice" in choice["reason"]
+
+
+def test_measuring_leaves_a_float32_run_as_it_was(tiny_traces, tiny_target, tmp_path, monkeypatch):
+    """auto, measured with the real timer and then training in float32, trains the weights and leaves the RNG state
+    of a run given float32 outright: the measurement is no part of the run."""
+    real = train_stage.resolve_train_precision
+
+    def measured_then_float32(*args, **kwargs):
+        return {**real(*args, **kwargs), "precision": "no"}  # on any machine: the pick is not what is tested here
+    monkeypatch.setattr(train_stage, "resolve_train_precision", measured_then_float32)
+    runs = {setting: run_train(_cfg(tiny_traces, tiny_target, tmp_path / setting, max_steps=4, eval_every=4,
+                                    mixed_precision=setting)) for setting in ("auto", "no")}
+    assert runs["auto"]["precision_choice"]["measured"] and "measured" not in runs["no"]["precision_choice"]
+    a, b = (load_file(tmp_path / s / "last" / "model.safetensors") for s in ("auto", "no"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rng = [torch.load(tmp_path / s / "last" / "random_states_0.pkl", weights_only=False) for s in ("auto", "no")]
+    assert torch.equal(rng[0]["torch_manual_seed"], rng[1]["torch_manual_seed"])
+    assert rng[0]["random_state"] == rng[1]["random_state"]

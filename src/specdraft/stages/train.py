@@ -7,7 +7,8 @@ computed online (DistillSpec). ``labels`` adds teacher-forced rows (`specdraft l
 context, the target's argmax at each position as the label; cheaper per token than traces. ``qat_group_size``
 trains through the packer's 4-bit rounding.
 
-``run_train`` reads top to bottom: ``setup`` -> ``load_data`` -> ``train_loop``, which feeds ``micro_batches``
+``run_train`` reads top to bottom: ``setup`` -> ``load_data`` -> ``choose_precision`` (float32 or bf16 autocast;
+``auto`` measures on a CPU, ``quant.train_precision``) -> ``train_loop``, which feeds ``micro_batches``
 (from ``make_batches``) to ``train_step`` and every ``eval_every`` steps calls ``evaluate`` (held-out loss +
 simulated acceptance), ``save_checkpoint`` (the best draft, in ``out/``) and ``save_resume_state`` (``out/last``,
 from which a killed run continues to the same weights as an uninterrupted one). This module is that
@@ -40,13 +41,14 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import matplotlib
 import matplotlib.pyplot as plt
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 
@@ -70,6 +72,7 @@ from specdraft.model.specs import (
 )
 from specdraft.model.truncate import build_init
 from specdraft.quant.qat import enable_qat
+from specdraft.quant.train_precision import NAMES, PRECISION_HELP, PrecisionSetting, resolve_train_precision
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +125,8 @@ class TrainConfig(StageConfig):
     eval_every: int = Field(25, ge=1, description="evaluate every K optimizer steps")
     num_draft: int = Field(DRAFT_TOKENS, ge=1, description="draft length for simulated acceptance")
     seed: int = Field(0, description="seed for data order and init")
-    mixed_precision: Literal["auto", "no", "bf16"] = Field(
-        "auto", description="auto = bf16 on GPU, fp32 on CPU")
+    mixed_precision: PrecisionSetting = Field("auto", description=PRECISION_HELP + "; a resumed run keeps the "
+                                                                  "precision its first sitting used")
     threads: Optional[int] = Field(None, description="torch CPU threads (default: torch's choice)")
 
 
@@ -150,6 +153,8 @@ class Run:
     pad_id: int
     teacher: Any  # the target, loaded for kd only (else None)
     total_steps: int
+    # the precision the run trains in and why (``quant.train_precision``), as its first sitting chose it
+    precision: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -167,29 +172,84 @@ class TrainState:
 
 # ------------------------------------------------------------------------------------------- setup
 
-def setup(cfg: TrainConfig) -> Accelerator:
-    """Threads, precision (auto: bf16 on GPU, fp32 on CPU), gradient accumulation, the processes the launcher
-    started, and the seed."""
+def setup(cfg: TrainConfig) -> PartialState:
+    """Threads, the processes the launcher started, and the seed. The precision is chosen once the draft is built
+    (``choose_precision``), and the ``Accelerator`` made with it then (``make_accelerator``)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    mixed = cfg.mixed_precision
-    if mixed == "auto":
-        mixed = "bf16" if torch.cuda.is_available() else "no"
     launched = launched_processes()
+    processes = PartialState(cpu=_on_cpu(launched))
+    if processes.num_processes != launched:
+        raise ValueError(f"the launcher started {launched} processes (WORLD_SIZE) but accelerate joined "
+                         f"{processes.num_processes}: launch with torchrun or `accelerate launch` "
+                         "(docs/scale.md)")
+    set_seed(cfg.seed)
+    return processes
+
+
+def _on_cpu(launched: int) -> bool:
     # Without a GPU, accelerate joins the processes a launcher started only when told to run on the CPU; left
     # alone, each rank would train on its own and every one of them would write the same files.
-    on_cpu = launched > 1 and not torch.cuda.is_available()
-    accelerator = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=cfg.grad_accum, cpu=on_cpu)
-    if accelerator.num_processes != launched:
-        raise ValueError(f"the launcher started {launched} processes (WORLD_SIZE) but accelerate joined "
-                         f"{accelerator.num_processes}: launch with torchrun or `accelerate launch` "
-                         "(docs/scale.md)")
+    return launched > 1 and not torch.cuda.is_available()
+
+
+def make_accelerator(cfg: TrainConfig, precision: str) -> Accelerator:
+    """The run's ``Accelerator``: ``precision`` (accelerate's ``mixed_precision``), gradient accumulation."""
+    state = AcceleratorState._shared_state
+    if state.get("_mixed_precision", precision) != precision:
+        # accelerate keeps one precision per process and refuses another; an earlier run in this process (the
+        # demo's phases, the tests) may have chosen differently: its state is dropped, the processes' kept
+        AcceleratorState._reset_state()
+    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum,
+                              cpu=_on_cpu(launched_processes()))
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and \
             accelerator.distributed_type != DistributedType.FSDP:
         log.warning("the launcher asked for FSDP, but accelerate runs %s: it shards only on GPUs and other "
                     "accelerators, so every rank holds the whole draft", accelerator.distributed_type.value)
-    set_seed(cfg.seed)
     return accelerator
+
+
+def choose_precision(cfg: TrainConfig, processes: PartialState, out: Path, model, train: list[Example]) -> dict:
+    """The precision to train in and why (``quant.train_precision.resolve_train_precision``: as given, bf16 on a
+    GPU, or measured on the CPU on the draft's own layers at a micro-batch's rows); ``auto`` in a run resumed from
+    a state that recorded the choice: that choice, so the run keeps one precision throughout. Rank 0 decides,
+    every rank uses its pick."""
+    choice: list[dict | None] = [None]
+    if processes.is_main_process:
+        saved = saved_precision(out) if cfg.mixed_precision == "auto" else None
+        if saved is not None:
+            choice[0] = {**saved, "kept_from_first_sitting": True}
+        else:
+            labelled = sum(len(ex.completion) for ex in train) / max(1, sum(len(ex.input_ids) for ex in train))
+            choice[0] = {**resolve_train_precision(model, cfg.mixed_precision, processes.device, cfg.batch_tokens,
+                                                   max(1, round(cfg.batch_tokens * labelled))),
+                         "kept_from_first_sitting": False}
+    if processes.num_processes > 1:
+        broadcast_object_list(choice)
+    assert choice[0] is not None
+    log.info("mixed precision: %s%s, %s", NAMES.get(choice[0]["precision"], choice[0]["precision"]),
+             " (kept from the run's first sitting)" if choice[0]["kept_from_first_sitting"] else "",
+             choice[0]["reason"])
+    return choice[0]
+
+
+def saved_precision(out: Path) -> dict | None:
+    """The precision choice recorded in the resume state under ``out`` (``last/``, else a complete ``last.tmp/``
+    that ``load_resume_state`` will take), None without one. A state written before the choice was recorded ran
+    under auto's earlier rule: bf16 with a CUDA GPU, else float32."""
+    for folder in ("last", "last.tmp"):
+        state_file = out / folder / "trainer_state.json"
+        if state_file.is_file():
+            saved = read_json(state_file)
+            if not isinstance(saved, dict):  # load_resume_state refuses it
+                return None
+            if isinstance(saved.get("precision_choice"), dict):
+                return {k: v for k, v in saved["precision_choice"].items() if k != "kept_from_first_sitting"}
+            precision = "bf16" if torch.cuda.is_available() else "no"
+            return {"precision": precision, "requested": "auto", "given": False,
+                    "reason": f"{NAMES[precision]}: {state_file} recorded no choice, so the run's first sitting "
+                              "took auto's earlier rule (bf16 with a CUDA GPU, else float32)"}
+    return None
 
 
 def launched_processes() -> int:
@@ -353,6 +413,7 @@ def save_resume_state(run: Run, state: TrainState) -> None:
         atomic_write_json(tmp / "trainer_state.json", {
             "step": state.step, "history": state.history, "best": state.best, "train_tokens": state.train_tokens,
             "train_seconds": state.train_seconds, "processes": accelerator.num_processes,
+            "precision_choice": {k: v for k, v in run.precision.items() if k != "kept_from_first_sitting"},
             "config": run.cfg.to_json_dict()})
         # renames only between a complete last/ and the next: a kill in between leaves last.tmp complete (its
         # trainer_state.json is written last), which load_resume_state takes. Not core.io.atomic_dir: it removes
@@ -441,6 +502,7 @@ def train_meta(run: Run, data: TrainData, state: TrainState, *, init_source: dic
         "total_steps": run.total_steps,
         "processes": run.accelerator.num_processes,
         "distributed": run.accelerator.distributed_type.value,
+        "precision_choice": run.precision,
         "micro_batches_per_step": cfg.grad_accum * run.accelerator.num_processes,
         "resumed_from_step": resumed_from_step,
         "train_tokens": state.train_tokens,
@@ -510,13 +572,13 @@ def train_loop(run: Run, data: TrainData, state: TrainState) -> int:
 
 def run_train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out)
-    accelerator = setup(cfg)
-    if accelerator.is_main_process:
+    processes = setup(cfg)
+    if processes.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     else:  # rank 0 speaks for the run: the other ranks' lines would repeat its own
         logging.getLogger("specdraft").setLevel(logging.WARNING)
-    accelerator.wait_for_everyone()
-    with (stage_log(out / "train.log") if accelerator.is_main_process else contextlib.nullcontext()), \
+    processes.wait_for_everyone()
+    with (stage_log(out / "train.log") if processes.is_main_process else contextlib.nullcontext()), \
             torch.enable_grad():
         target_spec = cfg.target or recorded_target(cfg.traces) or DEFAULT_TARGET
         model, tokenizer, init_source = build_init(cfg.init)
@@ -525,11 +587,13 @@ def run_train(cfg: TrainConfig) -> dict:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         optimizer = torch.optim.AdamW(trainable_parameters(model, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                       betas=(0.9, 0.95))
+        precision = choose_precision(cfg, processes, out, model, data.train)  # on the layers as they will train
+        accelerator = make_accelerator(cfg, precision["precision"])
         model, optimizer = accelerator.prepare(model, optimizer)
         teacher = load_teacher(target_spec, accelerator.device) if cfg.kd else None
         total_steps = count_steps(cfg, data.train, accelerator.num_processes)
         run = Run(cfg=cfg, out=out, accelerator=accelerator, model=model, optimizer=optimizer, tokenizer=tokenizer,
-                  pad_id=pad_id, teacher=teacher, total_steps=total_steps)
+                  pad_id=pad_id, teacher=teacher, total_steps=total_steps, precision=precision)
 
         state = load_resume_state(run)
         log.info("train: %d examples (%d teacher-forced), %d held out, %d steps, init %s, target %s, kd=%s, "
