@@ -22,7 +22,9 @@ draft: --draft-dir, or the stand-in bench_server.py builds (the target's first -
 QD04); with --tiny, a tiny random Qwen3 as the target and itself packed as the draft.
 
 Settings (--settings picks some): `reuse` (`specdraft serve` with its default prefix cache), `no_reuse`
-(`--prefix-cache-mb 0`: every context prefilled whole), and `llama_server` when its binary is there
+(`--prefix-cache-mb 0`: every context prefilled whole), `llama_engine` and `llama_engine_no_reuse` (the same, with
+`--engine llama.cpp` serving the draft's GGUF export: sessions reused token for token), and `llama_server` when its
+binary is there
 (bench/build_llama_cpp.sh; --llama-server): llama.cpp's server on the same draft exported as GGUF (`specdraft export
 --format gguf`, its 4-bit codes as Q4_1 without loss; --gguf), one slot per loop, `"cache_prompt": true` (a slot
 keeps its KV between requests and computes only what the new prompt adds, drafted tokens the next prompt confirms
@@ -96,15 +98,21 @@ class Setting:
     server: str = SPECDRAFT
     args: tuple[str, ...] = ()
     fields: dict[str, Any] = field(default_factory=dict)
+    llama_engine: bool = False  # `specdraft serve --engine llama.cpp --gguf` the draft's GGUF export
 
 
 REUSE_SETTINGS = {"reuse": Setting(), "no_reuse": Setting(args=("--prefix-cache-mb", "0")),
+                  "llama_engine": Setting(llama_engine=True),
+                  "llama_engine_no_reuse": Setting(args=("--prefix-cache-mb", "0"), llama_engine=True),
                   "llama_server": Setting(server=LLAMA)}
 
 
 def stop_settings(thresholds: list[float]) -> dict[str, Setting]:
-    """For each threshold, drafts that stop (with the server's default prefix cache, like ``reuse``)."""
-    return {f"stop_{t:g}": Setting(fields={"stop_confidence": t}) for t in thresholds}
+    """For each threshold, drafts that stop (with the server's default prefix cache, like ``reuse``), in torch and
+    in the llama.cpp engine."""
+    return {**{f"stop_{t:g}": Setting(fields={"stop_confidence": t}) for t in thresholds},
+            **{f"llama_engine_stop_{t:g}": Setting(fields={"stop_confidence": t}, llama_engine=True)
+               for t in thresholds}}
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -345,9 +353,11 @@ def run_level(args, draft_dir: Path, runs: list[dict], warmup: dict, loops: int,
         reused, computed = (sum(c[k] or 0 for c in calls) for k in ("reused", "computed"))
         server_info = {"build_info": server.props.get("build_info"), "argv": server.peer.argv}
     else:
-        extra = ["--threads", str(args.threads), *compute_args, *setting.args, *shlex.split(args.serve_args)]
+        engine = ["--engine", "llama.cpp", "--gguf", str(args.gguf)] if setting.llama_engine else compute_args
+        extra = ["--threads", str(args.threads), *engine, *setting.args, *shlex.split(args.serve_args)]
         with SpecdraftLoopServer(draft_dir, extra, setting.fields, log_path, args.start_timeout) as server:
-            compute_args = server.compute_args()
+            if not setting.llama_engine:
+                compute_args = server.compute_args()
             speculate(server, warmup, args.num_draft, [])
             before = server.counters()
             server.start_sampling()
@@ -358,7 +368,7 @@ def run_level(args, draft_dir: Path, runs: list[dict], warmup: dict, loops: int,
                      "cache_within_budget": budget is None or server.cache_peak <= budget}
         reused = after["specdraft_context_tokens_reused_total"] - before["specdraft_context_tokens_reused_total"]
         computed = after["specdraft_context_tokens_total"] - before["specdraft_context_tokens_total"]
-        server_info = {"compute": compute_args[1:], "argv_extra": extra}
+        server_info = {"compute": ["llama.cpp"] if setting.llama_engine else compute_args[1:], "argv_extra": extra}
     seconds = [c["seconds"] for c in calls]
     figures = {"server": setting.server, "calls": len(calls), "generated_tokens": tokens, "wall_s": wall,
                "ms_per_token": 1000 * sum(seconds) / tokens, "tokens_per_s": tokens / wall,
@@ -458,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     log_to_console()
     draft_dir, what, target = ensure_models(args)
     settings = choose_settings(args)
-    if "llama_server" in settings:
+    if "llama_server" in settings or any(s.llama_engine for s in settings.values()):
         args.gguf = ensure_gguf(args, draft_dir)
     most = max(args.loops) * args.prompts_per_loop
     questions, source = load_questions(args, most + 1)
@@ -484,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
                                for k, v in settings.items()},
                "servers": {k: v.server for k, v in settings.items()},
                "request_fields": {k: v.fields for k, v in settings.items()}, "compute": compute_args[1:],
-               "gguf": str(args.gguf) if "llama_server" in settings else None, "levels": levels}
+               "engines": {k: "llama.cpp" if v.llama_engine or v.server == LLAMA else "torch"
+                           for k, v in settings.items()},
+               "gguf": str(args.gguf) if args.gguf else None, "levels": levels}
     save_result(args.name + ("_tiny" if args.tiny else ""), figures, args.out)
     print_table(figures)
     return 0

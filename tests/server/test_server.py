@@ -751,3 +751,22 @@ def test_serve_refuses_a_dir_without_a_model(tmp_path, caplog):
     from specdraft.cli import main
     assert main(["serve", "--model-dir", str(tmp_path), "--port", "0"]) == 2
     assert "not a model dir" in caplog.text
+
+
+def test_the_listening_socket_turns_nagle_off_for_its_connections():
+    # asyncio sets TCP_NODELAY only on connections of a socket whose proto is TCP; with Nagle on, every answer's
+    # body waited for the client's delayed ACK of its headers (about 40 ms a call on Linux)
+    import socket
+
+    from specdraft.server.app import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        sock.listen()
+        assert sock.proto == socket.IPPROTO_TCP
+        client = socket.create_connection(sock.getsockname())
+        conn, _ = sock.accept()
+        with client, conn:
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        sock.close()
