@@ -71,9 +71,12 @@ def readme_results() -> str:
               f"{x(best['speedup'])} / {x(trained['speedup'])} |",
               f"| `specdraft serve` against `llama-server`, the same draft, 4 clients: answered/s | "
               f"{x(clients['ratio'])} |",
-              "| the same in a speculation loop (each call the whole context so far), both reusing their KV, "
-              + " / ".join(str(lv["loops"]) for lv in loop) + " loop(s): generated tokens per server-second, AVX2-only"
-              " EPYC | " + " / ".join(x(_loop_ratio(lv, "llama_server", "reuse")) for lv in loop) + " |",
+              "| `specdraft serve` in a speculation loop (each call the whole context so far), AVX2-only EPYC: server "
+              "time per generated token against `llama-server` with its prompt cache (below 1: cheaper), "
+              + " / ".join(str(lv["loops"]) for lv in loop) + " loop(s): torch / `--engine llama.cpp` / "
+              f"`--engine llama.cpp` with `stop_confidence` {LOOP_STOP} | "
+              + " · ".join(" / ".join(x(_loop_ratio(lv, name, "llama_server")) for lv in loop)
+                           for name in ("reuse", "llama_engine", f"llama_engine_stop_{LOOP_STOP}")) + " |",
               f"| `make demo` (small), the install included: AVX-512 + bf16 / AVX2-only EPYC | "
               f"{minutes(b['small']['wall_seconds'])} / {minutes(small2['wall_seconds'])} |",
               "",
@@ -181,8 +184,11 @@ def _llama_cpp_agreement(fig: dict[str, Any]) -> dict[str, Any]:
     return next(r["vs_hf"] for r in fig["by_threads"][0]["runs"] if r["backend"] == "llama.cpp")
 
 
+LOOP_STOP = "0.4"  # the stop_confidence README quotes (bench/bench_server_loop.py --stop-confidence)
 # a loop result's settings (bench/bench_server_loop.py): the baseline first, then each compared with it
 LOOP_SETTINGS = {"no_reuse": "no prefix reuse", "reuse": "prefix reuse", "full": "prefix reuse, full drafts",
+                 "llama_engine": "`--engine llama.cpp`, sessions reused",
+                 "llama_engine_no_reuse": "`--engine llama.cpp`, no reuse",
                  "llama_server": "llama-server, prompt cache on"}
 
 
@@ -203,6 +209,8 @@ def _loop_ratio(level: dict[str, Any], name: str, base: str) -> float:
 def _loop_setting_label(name: str) -> str:
     if name.startswith("stop_"):
         return f"stop_confidence {name.removeprefix('stop_')}"
+    if name.startswith("llama_engine_stop_"):
+        return f"`--engine llama.cpp`, stop_confidence {name.removeprefix('llama_engine_stop_')}"
     return LOOP_SETTINGS.get(name, name)
 
 

@@ -12,7 +12,6 @@ import pytest
 
 from servers import ThreadServer, metric_samples
 from specdraft.model.generation import DraftSampling
-from specdraft.model.llamacpp import load_gguf_model
 from specdraft.model.llamacpp_slots import LlamaCppSlots, SessionCache, common_prefix
 from specdraft.model.sampling import SamplingParams
 from specdraft.server.app import create_app
@@ -145,6 +144,17 @@ def test_batched_rows_and_a_released_row_leave_the_others_as_alone(engine):
         assert finished[i].tokens == alone(engine, contexts[i])[0]
 
 
+def test_without_a_cache_nothing_is_kept_and_the_drafts_are_the_same_bits(engine):
+    decoder = lane(engine, 2, 80, None)
+    context = list(range(5, 45))
+    for _ in range(2):
+        finished = decoder.admit([0], [context])
+        while not finished:
+            finished = decoder.step()
+        assert finished[0][1].tokens == alone(engine, context)[0]
+        assert decoder.reusable(context) == 0 and decoder.held_tokens() == (0, 0)
+
+
 def test_a_draft_that_stops_is_the_full_drafts_prefix(engine):
     context = list(range(5, 30))
     full, _ = alone(engine, context, DraftSampling(return_probs=True))
@@ -198,3 +208,16 @@ def test_a_gguf_of_other_weights_or_changed_since_export_is_refused(draft, tmp_p
         gguf_of(packed, other)
     with pytest.raises(ValueError, match="give --gguf"):
         ServeConfig(model_dir=str(packed), engine="llama.cpp")
+
+
+@pytest.mark.parametrize("cpu, hinted", [({"capability": "AVX2", "amx": False}, True),
+                                         ({"capability": "AVX512", "amx": False}, False),
+                                         ({"capability": "AVX512", "amx": True}, False)])
+def test_a_torch_server_on_an_avx2_cpu_is_told_of_the_llamacpp_engine(monkeypatch, cpu, hinted):
+    from specdraft.server import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "cpu_features", lambda: cpu)
+    hint = engine_module.engine_hint()
+    assert (hint is not None) == hinted
+    if hinted:
+        assert "--engine llama.cpp" in hint and "AVX2" in hint

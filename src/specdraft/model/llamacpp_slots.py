@@ -6,17 +6,18 @@ sequences with cells of their own (``kv_unified`` off, as the llama.cpp trace ba
 context into a sequence and ``step`` feeds every live row its last token in one ``llama_decode``; a one-token step
 per sequence gives the bits it gives alone, whoever shares the batch.
 
-Prefix reuse is per sequence, as llama-server's slots keep their prompt (``cache_prompt``): a finished row's
-sequence keeps the keys and values of everything it was fed -- its context and its drafted tokens -- and the next
-context is given the idle sequence that holds the longest prefix of it; only the rest is computed. With a cache,
-every position is computed in a pass of its own token (a prefill feeds a context one token per ``llama_decode``, as
-a decode step feeds a drafted one): a position's keys and values then depend only on the tokens up to it, never on
-how they were grouped into passes, so a context gets the same bits with or without a hit, and the drafted tokens
-the next context confirms (a speculation loop's accepted ones) are reused too. (llama.cpp rounds a pass of several
-tokens otherwise than one-token passes; on CPUs where its 4-bit kernels do not batch, one-token passes cost little
-more per token.) Without a cache a context is prefilled in passes of up to ``PREFILL_PIECE`` tokens and nothing is
-kept. ``SessionCache`` counts what is reused and sizes the sessions kept beyond the rows decoding: the prefix
-cache's memory budget, in whole sequences.
+Every position is computed in a pass of its own token: a prefill feeds a context one token per ``llama_decode``, as
+a decode step feeds a drafted one. A position's keys and values then depend only on the tokens up to it, never on
+how they were grouped into passes (llama.cpp rounds a pass of several tokens otherwise than one-token passes), so a
+request gets the same bits whatever the server computed before, with the cache on or off. On CPUs where llama.cpp's
+4-bit kernels do not batch, one-token passes cost a prefill little more per token than passes of many.
+
+Prefix reuse is per sequence, as llama-server's slots keep their prompt (``cache_prompt``): with a ``SessionCache``
+a finished row's sequence keeps the keys and values of everything it was fed -- its context and its drafted tokens
+-- and the next context is given the idle sequence that holds the longest prefix of it; only the rest is computed,
+so a speculation loop's call computes the target's token, not the drafted tokens it accepted. ``SessionCache``
+counts what is reused and sizes the sessions kept beyond the rows decoding: the prefix cache's memory budget, in
+whole sequences.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ import torch
 from specdraft.model.generation import DraftSampling, Generation, RowSampler
 from specdraft.model.llamacpp import CTX_PAD, llama_cpp_module, logits_row, sequences_context
 from specdraft.model.prefix_cache import PrefixCacheStats
-
-PREFILL_PIECE = 512  # without a cache: a context is prefilled whole, in passes of at most this many tokens
 
 
 def kv_bytes_per_token(model: Any) -> int:
@@ -121,16 +120,18 @@ class LlamaCppSlots:
         self.cache = cache
         self.token_bytes = kv_bytes_per_token(model)
         cells = -(-capacity // CTX_PAD) * CTX_PAD
-        most = lib.llama_max_parallel_sequences() - slots
+        # llama.cpp allocates (and clears) every sequence up front: idle sessions beyond the rows' own, at most one
+        # per row, so the default budget does not preallocate memory a few loops never use
+        most = min(slots, lib.llama_max_parallel_sequences() - slots)
         extra = cache.claim(self, cells * self.token_bytes, most) if cache is not None else 0
         self.sequences = slots + extra  # a live row, or the context prefilled in pieces, holds one each
         self.session_bytes = cells * self.token_bytes
         threads = threads or max(1, (os.cpu_count() or 2) - 1)
-        # llama.cpp reserves its graph for one output per sequence: a batch holds at least that many tokens
-        batch = max(PREFILL_PIECE if cache is None else 1, self.sequences)
-        self.ctx, self.positions = sequences_context(model, self.sequences, capacity, batch, threads, name)
+        # a step's batch holds one token per sequence (llama.cpp reserves its graph for that many outputs); a
+        # prefill's pass one
+        self.ctx, self.positions = sequences_context(model, self.sequences, capacity, self.sequences, threads, name)
         self.memory = lib.llama_get_memory(self.ctx)
-        self.batch = lib.llama_batch_init(batch, 0, 1)
+        self.batch = lib.llama_batch_init(self.sequences, 0, 1)
         self.rows: list[_Row] = []
         self.chunked: _Row | None = None  # the context being prefilled in pieces (its ``tokens`` empty)
         self._lock = threading.Lock()  # ``held`` and ``busy``: the HTTP side asks ``reusable``
@@ -287,21 +288,18 @@ class LlamaCppSlots:
     # ------------------------------------------------------------------------------------------- model calls
 
     def _fill(self, seq: int, prompt: list[int], start: int, end: int) -> np.ndarray:
-        """Compute ``prompt[start:end]`` into ``seq``: with a cache one token per pass, each kept for reuse; without
-        one in passes of ``PREFILL_PIECE``. The last position's logits (a copy)."""
-        piece = PREFILL_PIECE if self.cache is None else 1
-        for s in range(start, end, piece):
-            e = min(s + piece, end)
-            for n, pos in enumerate(range(s, e)):
-                self._put(n, prompt[pos], pos, seq, pos == end - 1)
-            self.batch.n_tokens = e - s
-            self._decode(seq, cut=s)
+        """Compute ``prompt[start:end]`` into ``seq``, one token per pass (kept for reuse with a cache). The last
+        position's logits (a copy)."""
+        for pos in range(start, end):
+            self._put(0, prompt[pos], pos, seq, pos == end - 1)
+            self.batch.n_tokens = 1
+            self._decode(seq, cut=pos)
             if self.cache is not None:
                 with self._lock:
-                    self.held[seq].append(prompt[s])
+                    self.held[seq].append(prompt[pos])
         if self.cache is not None:
             self.cache.count(stored_blocks=end - start)
-        return logits_row(self.ctx, (end - 1 - start) % piece, self.vocab_size).copy()  # the last pass's last
+        return logits_row(self.ctx, 0, self.vocab_size).copy()
 
     def _put(self, n: int, token: int, position: int, seq: int, logits: bool) -> None:
         b = self.batch

@@ -32,7 +32,14 @@ from specdraft import __version__
 from specdraft.model.loader import ModelLoadError
 from specdraft.model.specs import load_config, text_config
 from specdraft.server.config import ServeConfig
-from specdraft.server.engine import DraftEngine, PrefixStore, heap_trimmer, load_engine, load_llamacpp_engine
+from specdraft.server.engine import (
+    DraftEngine,
+    PrefixStore,
+    engine_hint,
+    heap_trimmer,
+    load_engine,
+    load_llamacpp_engine,
+)
 from specdraft.server.metrics import ServerMetrics
 from specdraft.server.scheduler import (
     ANSWERED,
@@ -127,6 +134,8 @@ class ServerState:
                                   cfg.device))
             if loaded.vocab_size != self.vocab_size:
                 raise ValueError(f"loaded vocab {loaded.vocab_size} != config.json vocab {self.vocab_size}")
+            if cfg.engine == "torch" and engine_hint() is not None:
+                log.info("%s", engine_hint())
             self.start(loaded)
         except BaseException as e:
             self.status, self.error = "failed", f"{type(e).__name__}: {e}"

@@ -26,14 +26,20 @@ from specdraft.core.io import read_json, sha256_file
 from specdraft.model.decode import draft_batch, draft_rows
 from specdraft.model.generation import DraftSampling, Generation, RowSampler
 from specdraft.model.lean import lean_forward, lean_unsupported
-from specdraft.model.llamacpp import check_gguf_file, llama_cpp_module, llama_cpp_version, load_gguf_model
+from specdraft.model.llamacpp import (
+    check_gguf_file,
+    llama_cpp_available,
+    llama_cpp_module,
+    llama_cpp_version,
+    load_gguf_model,
+)
 from specdraft.model.llamacpp_check import engine_problem
 from specdraft.model.llamacpp_slots import LlamaCppSlots, SessionCache
 from specdraft.model.loader import load_draft, packed_weight_file
 from specdraft.model.prefix_cache import PrefixCache, PrefixCacheStats
 from specdraft.model.slot_engine import SlotDecoder
 from specdraft.model.specs import text_config
-from specdraft.quant.compute_choice import SERVE_WORKLOAD, ComputeSetting
+from specdraft.quant.compute_choice import SERVE_WORKLOAD, ComputeSetting, cpu_features
 from specdraft.quant.linear import Int4Prefill
 from specdraft.server.scheduler import Draft, Lane
 
@@ -295,3 +301,14 @@ def load_llamacpp_engine(model_dir: str | os.PathLike, gguf: str | os.PathLike, 
                           max_positions=int(lib.llama_model_n_ctx_train(model)) or None, threads=threads,
                           compute_choice={"compute": "llama.cpp", "engine": "llama.cpp", "gguf": str(path),
                                           "model": description, "threads": threads, "reason": reason})
+
+
+def engine_hint() -> str | None:
+    """What to tell a user serving through torch on a CPU where llama.cpp decodes the draft faster (torch without
+    AVX-512 or AMX, llama-cpp-python installed); None elsewhere."""
+    cpu = cpu_features()
+    if cpu["capability"] not in ("AVX2", "DEFAULT") or cpu["amx"] or not llama_cpp_available():
+        return None
+    return (f"this CPU runs torch's kernels at {cpu['capability']} (no AVX-512, no AMX), where llama.cpp decodes a "
+            "4-bit draft several times faster: in a speculation loop serve its GGUF export with --engine llama.cpp "
+            "--gguf FILE (`specdraft export MODEL_DIR --format gguf`; docs/stages/serve.md#the-llamacpp-engine)")

@@ -17,9 +17,10 @@ tokens (and, for one that may stop early, the tokens such requests drafted latel
 turn comes is dropped before its prefill. ``close`` stops taking requests, lets the running ones finish until its
 timeout, fails the rest, and joins the worker.
 
-The model side is two ``Lane`` objects (``server.engine.SlotLane``: a ``SlotDecoder`` keyed by request). Each
-request carries its own ``DraftSampling`` (greedy, or sampled with its own seeded generator, with or without
-probabilities) into its row, so requests with different settings share a batch.
+The model side is two ``Lane`` objects (``server.engine.SlotLane``: a ``SlotDecoder``, or with the llama.cpp engine
+a ``LlamaCppSlots``, keyed by request). Each request carries its own ``DraftSampling`` (greedy, or sampled with its
+own seeded generator, with or without probabilities) into its row, so requests with different settings share a
+batch.
 
 With a prefix cache (``model.prefix_cache``, shared by both lanes) a lane copies in the cached blocks of a context's
 prefix and computes the rest in blocks. The scheduler then counts only the tokens still to compute: in its
