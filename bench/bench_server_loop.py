@@ -409,8 +409,11 @@ def compare(level: dict[str, Any], drafts: dict[str, dict[int, list[int]]], base
         return
     for other in drafts:
         if other != base:
-            agree = prefixes if other.startswith("stop_") else identical
-            level[f"{other}_agreement"] = agree(drafts[other], drafts[base])
+            # the llama.cpp engine's drafts against its own with reuse, where that ran (the same engine's bits)
+            same_engine = "llama_engine" if other.startswith("llama_engine_") and "llama_engine" in drafts else base
+            stops = other.startswith(("stop_", "llama_engine_stop_"))
+            level[f"{other}_agreement"] = {**(prefixes if stops else identical)(drafts[other], drafts[same_engine]),
+                                           "against": same_engine}
             level[f"{other}_vs_{base}"] = {k: level[other][k] / level[base][k] for k in RATIO_KEYS}
 
 
@@ -519,7 +522,7 @@ def print_table(figures: dict[str, Any]) -> None:
                 share = agreement.get("identical_drafts", agreement.get("prefix_of_full"))
                 print(f"{'':>6} {name:>12} {ratio['ms_per_token']:9.2f} {ratio['tokens_per_s']:9.2f} "
                       f"{ratio['p50_ms']:8.2f} {ratio['p99_ms']:8.2f}   agreeing drafts {share:.3f} of "
-                      f"{agreement['contexts_both_sent']}")
+                      f"{agreement['contexts_both_sent']} with {agreement.get('against', 'reuse')}'s")
 
 
 if __name__ == "__main__":

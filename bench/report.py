@@ -164,17 +164,23 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
         fig = result["figures"]
         levels = fig["levels"]
         base, compared = _loop_settings(fig)
-        if not compared:  # a soak: one setting, many loops
-            r = levels[-1][base]
-            rows.append((f"`specdraft serve` soak, {levels[-1]['loops']} speculation loops ({_loop_draft(fig)}, "
-                         f"{_loop_prompts(fig)}): prefix cache peak / budget; server peak RSS; 503s waited out",
-                         f"{r['cache_peak_mb']:.1f} / {r['cache_budget_mb']:.0f} MB; {r['rss_mb_peak']:.0f} MB; "
-                         f"{r.get('refused_503', 0)}", f"{machine(result)}, {result['date']}", path.name))
-        for name in compared:
+        if levels[-1]["loops"] >= SOAK_LOOPS:  # a soak: many loops within a cache budget, each setting's memory
+            for name in [base] + compared:
+                r = levels[-1][name]
+                rows.append((f"`specdraft serve` soak, {levels[-1]['loops']} speculation loops ({_loop_draft(fig)}, "
+                             f"{_loop_prompts(fig)}), {_loop_setting_label(name)}: prefix cache peak / budget; server "
+                             "peak RSS; 503s waited out",
+                             f"{r['cache_peak_mb']:.1f} / {r['cache_budget_mb']:.0f} MB; {r['rss_mb_peak']:.0f} MB; "
+                             f"{r.get('refused_503', 0)}", f"{machine(result)}, {result['date']}", path.name))
+            continue
+        pairs = [(name, _row_base(name, compared, base)) for name in compared]
+        if "llama_server" in compared:  # the llama.cpp engine against its peer on the same file
+            pairs += [(name, "llama_server") for name in compared if name.startswith("llama_engine_stop_")]
+        for name, against in pairs:
             rows.append((f"`specdraft serve` in a speculation loop ({_loop_draft(fig)}, {_loop_prompts(fig)}): "
-                         f"server time per generated token, {_loop_setting_label(name)} / {_loop_setting_label(base)}, "
-                         + " / ".join(f"{lv['loops']}" for lv in levels) + " loop(s)",
-                         " / ".join(x(_loop_ratio(lv, name, base)) for lv in levels),
+                         f"server time per generated token, {_loop_setting_label(name)} / "
+                         f"{_loop_setting_label(against)}, " + " / ".join(f"{lv['loops']}" for lv in levels)
+                         + " loop(s)", " / ".join(x(_loop_ratio(lv, name, against)) for lv in levels),
                          f"{machine(result)}, {result['date']}", path.name))
     return rows
 
@@ -184,6 +190,7 @@ def _llama_cpp_agreement(fig: dict[str, Any]) -> dict[str, Any]:
     return next(r["vs_hf"] for r in fig["by_threads"][0]["runs"] if r["backend"] == "llama.cpp")
 
 
+SOAK_LOOPS = 16  # a loop result of this many loops is a soak (bench/bench_server_loop.py --loops 16)
 LOOP_STOP = "0.4"  # the stop_confidence README quotes (bench/bench_server_loop.py --stop-confidence)
 # a loop result's settings (bench/bench_server_loop.py): the baseline first, then each compared with it
 LOOP_SETTINGS = {"no_reuse": "no prefix reuse", "reuse": "prefix reuse", "full": "prefix reuse, full drafts",
@@ -199,6 +206,12 @@ def _loop_settings(fig: dict[str, Any]) -> tuple[str, list[str]]:
     settings = [k for k, v in level.items() if isinstance(v, dict) and "calls" in v]
     base = next((k for k in ("reuse", "full") if k in settings), settings[0])
     return base, [k for k in settings if k != base]
+
+
+def _row_base(name: str, compared: list[str], base: str) -> str:
+    """What a summary row sets a loop setting against: the llama.cpp engine's variants against its own reuse, where
+    that ran; everything else against the result's baseline."""
+    return "llama_engine" if name.startswith("llama_engine_") and "llama_engine" in compared else base
 
 
 def _loop_ratio(level: dict[str, Any], name: str, base: str) -> float:
@@ -304,9 +317,11 @@ def server_loop_tables() -> str:
                 drafted = f"{r['mean_drafted']:.2f}" if "mean_drafted" in r else str(fig["num_draft"])
                 ratio = x(_loop_ratio(lv, name, base))
                 agreement = (lv.get(f"{name}_agreement") or lv.get("agreement")) if name != base else None
+                against = (agreement or {}).get("against", base)
                 same = ("—" if agreement is None else
                         f"{100 * agreement.get('identical_drafts', agreement.get('prefix_of_full', 0)):.0f}% "
-                        + ("identical" if "identical_drafts" in agreement else "a prefix"))
+                        + ("identical" if "identical_drafts" in agreement else "a prefix")
+                        + ("" if against == base else f" of {_loop_setting_label(against)}'s"))
                 cache = (f"{r['cache_peak_mb']:.1f} / {r['cache_budget_mb']:.0f} MB" if r.get("cache_budget_mb")
                          else "—")
                 out.append(f"| {lv['loops']} | {_loop_setting_label(name)} | {r['calls']} | "

@@ -12,6 +12,7 @@ hands freed memory back to the OS (``heap_trimmer``).
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import os
 import sys
@@ -26,13 +27,7 @@ from specdraft.core.io import read_json, sha256_file
 from specdraft.model.decode import draft_batch, draft_rows
 from specdraft.model.generation import DraftSampling, Generation, RowSampler
 from specdraft.model.lean import lean_forward, lean_unsupported
-from specdraft.model.llamacpp import (
-    check_gguf_file,
-    llama_cpp_available,
-    llama_cpp_module,
-    llama_cpp_version,
-    load_gguf_model,
-)
+from specdraft.model.llamacpp import check_gguf_file, llama_cpp_module, llama_cpp_version, load_gguf_model
 from specdraft.model.llamacpp_check import engine_problem
 from specdraft.model.llamacpp_slots import LlamaCppSlots, SessionCache
 from specdraft.model.loader import load_draft, packed_weight_file
@@ -307,7 +302,8 @@ def engine_hint() -> str | None:
     """What to tell a user serving through torch on a CPU where llama.cpp decodes the draft faster (torch without
     AVX-512 or AMX, llama-cpp-python installed); None elsewhere."""
     cpu = cpu_features()
-    if cpu["capability"] not in ("AVX2", "DEFAULT") or cpu["amx"] or not llama_cpp_available():
+    # find_spec, not an import: loading llama.cpp's libraries into a torch server is not this hint's to do
+    if cpu["capability"] not in ("AVX2", "DEFAULT") or cpu["amx"] or importlib.util.find_spec("llama_cpp") is None:
         return None
     return (f"this CPU runs torch's kernels at {cpu['capability']} (no AVX-512, no AMX), where llama.cpp decodes a "
             "4-bit draft several times faster: in a speculation loop serve its GGUF export with --engine llama.cpp "
