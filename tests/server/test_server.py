@@ -28,9 +28,9 @@ from fakes import FakeEngine
 from servers import ThreadServer, metric_samples, post_together
 from specdraft.model.generation import DraftSampling
 from specdraft.model.sampling import SamplingParams
-from specdraft.server.app import SHUTDOWN_MARGIN_S, create_app, every
+from specdraft.server.app import SHUTDOWN_MARGIN_S, create_app
 from specdraft.server.config import ServeConfig
-from specdraft.server.engine import DraftEngine, heap_trimmer, load_engine
+from specdraft.server.engine import DraftEngine, every, heap_trimmer, load_engine
 from specdraft.server.process import ServerProcess
 
 START_TIMEOUT = 120
@@ -554,9 +554,9 @@ def test_queue_full_is_503_with_retry_after_not_a_hang():
 
 
 def test_heap_is_trimmed_once_loaded_and_then_after_model_work(monkeypatch):
-    import specdraft.server.app as app_mod
+    import specdraft.server.engine as engine_mod
     trims = []
-    monkeypatch.setattr(app_mod, "heap_trimmer", lambda: lambda: trims.append(1))
+    monkeypatch.setattr(engine_mod, "heap_trimmer", lambda: lambda: trims.append(1))
     engine = FakeEngine(fail_when=lambda c: c == [13])
     for trim_heap in (True, False):
         trims.clear()

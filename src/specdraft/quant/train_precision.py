@@ -18,11 +18,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import nn
 
+from specdraft.core.io import read_json
 from specdraft.quant.compute_choice import PROBE_OUT_FEATURES, REPEATS, cpu_features
 
 log = logging.getLogger(__name__)
@@ -221,3 +223,21 @@ def resolve_train_precision(model: nn.Module, setting: PrecisionSetting, device:
         return {"precision": "no", "requested": "auto", "given": False,
                 "reason": f"float32 on {device.type} (not measured: auto measures on a CPU only)"}
     return choose_train_precision(train_shapes(model), rows, head_rows, measure=measure, cpu=cpu).to_json()
+
+
+def recorded_precision(state_files: Sequence[Path]) -> dict[str, Any] | None:
+    """The precision choice a run's resume state recorded (``precision_choice`` in the first of ``state_files``
+    there is), None without a state. A state written before the choice was recorded ran under auto's earlier rule:
+    bf16 with a CUDA GPU, else float32."""
+    for state_file in state_files:
+        if state_file.is_file():
+            saved = read_json(state_file)
+            if not isinstance(saved, dict):  # the run's resume refuses it
+                return None
+            if isinstance(saved.get("precision_choice"), dict):
+                return {k: v for k, v in saved["precision_choice"].items() if k != "kept_from_first_sitting"}
+            precision = "bf16" if torch.cuda.is_available() else "no"
+            return {"precision": precision, "requested": "auto", "given": False,
+                    "reason": f"{NAMES[precision]}: {state_file} recorded no choice, so the run's first sitting "
+                              "took auto's earlier rule (bf16 with a CUDA GPU, else float32)"}
+    return None

@@ -36,7 +36,7 @@ from specdraft.server.engine import (
     DraftEngine,
     PrefixStore,
     engine_hint,
-    heap_trimmer,
+    heap_trimming,
     load_engine,
     load_llamacpp_engine,
 )
@@ -145,7 +145,7 @@ class ServerState:
 
     def start(self, engine: DraftEngine) -> None:
         cfg = self.config
-        after_iteration = _heap_trimming(cfg.trim_heap)  # trims once now, before the lanes take their memory
+        after_iteration = heap_trimming(cfg.trim_heap)  # trims once now, before the lanes take their memory
         short_context = min(cfg.long_context_tokens, self.max_context)
         budget = cfg.prefix_cache_bytes()
         self.prefix_cache = engine.prefix_cache(cfg.prefix_block_tokens, budget) if budget else None
@@ -208,30 +208,6 @@ class ServerState:
             log.info("scheduler stopped after %d iterations", self.scheduler.iterations)
         if self.engine is not None and (self.scheduler is None or not self.scheduler.running):
             self.engine.close()  # the worker is done with it
-
-
-def _heap_trimming(enabled: bool) -> Callable[[], None] | None:
-    """What the worker calls after each iteration to hand freed memory back to the OS (at most once a second)."""
-    if not enabled:
-        return None
-    trim = heap_trimmer()
-    if trim is None:
-        log.info("trim_heap: no glibc malloc_trim here; freed memory stays with the allocator")
-        return None
-    trim()  # loading freed the float32 model it started from: memory glibc would otherwise keep
-    return every(1.0, trim)
-
-
-def every(seconds: float, fn: Callable[[], Any]) -> Callable[[], None]:
-    """``fn`` at most once per ``seconds``, however often the returned function is called."""
-    last = [0.0]
-
-    def run() -> None:
-        now = time.monotonic()
-        if now - last[0] >= seconds:
-            last[0] = now
-            fn()
-    return run
 
 
 def resolve_limits(config: ServeConfig, vocab_size: int, max_positions: int | None) -> int:

@@ -6,7 +6,11 @@ columns only and the int4 kernel computes rows independently, so a request gets 
 shares its iteration -- a sampled request too, drawing from its own seeded generator. With a prefix cache
 (``model.prefix_cache``, one for both lanes) a lane prefills in blocks and copies in the cached prefix of a context:
 the same bits with or without a hit. The server adds the lean decode forward (``model.lean``, built at load) and
-hands freed memory back to the OS (``heap_trimmer``).
+hands freed memory back to the OS (``heap_trimming``).
+
+With ``--engine llama.cpp`` the draft's GGUF export is served instead (``load_llamacpp_engine``, the file checked
+against its export record): a ``SlotLane`` is then a ``model.llamacpp_slots.LlamaCppSlots``, one llama.cpp sequence
+per row, finished rows' sequences kept as sessions and reused token for token.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 
 from specdraft.core.io import read_json, sha256_file
 from specdraft.model.decode import draft_batch, draft_rows
+from specdraft.model.export import GGUF_RECORD_SUFFIX
 from specdraft.model.generation import DraftSampling, Generation, RowSampler
 from specdraft.model.lean import lean_forward, lean_unsupported
 from specdraft.model.llamacpp import check_gguf_file, llama_cpp_module, llama_cpp_version, load_gguf_model
@@ -187,6 +192,30 @@ def heap_trimmer() -> Callable[[], None] | None:
     return lambda: trim(0)
 
 
+def heap_trimming(enabled: bool) -> Callable[[], None] | None:
+    """What the worker calls after each iteration to hand freed memory back to the OS (at most once a second)."""
+    if not enabled:
+        return None
+    trim = heap_trimmer()
+    if trim is None:
+        log.info("trim_heap: no glibc malloc_trim here; freed memory stays with the allocator")
+        return None
+    trim()  # loading freed the float32 model it started from: memory glibc would otherwise keep
+    return every(1.0, trim)
+
+
+def every(seconds: float, fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn`` at most once per ``seconds``, however often the returned function is called."""
+    last = [0.0]
+
+    def run() -> None:
+        now = time.monotonic()
+        if now - last[0] >= seconds:
+            last[0] = now
+            fn()
+    return run
+
+
 def load_engine(model_dir: str | os.PathLike, weights: str | os.PathLike | None, compute: ComputeSetting,
                 name: str | None = None, prefill: Int4Prefill = "bfloat16", lean: bool = True,
                 device: str = "cpu") -> Engine:
@@ -210,9 +239,6 @@ def load_engine(model_dir: str | os.PathLike, weights: str | os.PathLike | None,
 
 
 # ---------------------------------------------------------------------------------------------- llama.cpp
-
-GGUF_RECORD_SUFFIX = ".export.json"  # model.export's record beside a GGUF file it wrote
-
 
 @dataclass
 class LlamaCppEngine:

@@ -43,8 +43,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import matplotlib
-import matplotlib.pyplot as plt
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
@@ -72,7 +70,14 @@ from specdraft.model.specs import (
 )
 from specdraft.model.truncate import build_init
 from specdraft.quant.qat import enable_qat
-from specdraft.quant.train_precision import NAMES, PRECISION_HELP, PrecisionSetting, resolve_train_precision
+from specdraft.quant.train_precision import (
+    NAMES,
+    PRECISION_HELP,
+    PrecisionSetting,
+    recorded_precision,
+    resolve_train_precision,
+)
+from specdraft.reports.train import plot_history
 
 log = logging.getLogger(__name__)
 
@@ -235,21 +240,8 @@ def choose_precision(cfg: TrainConfig, processes: PartialState, out: Path, model
 
 def saved_precision(out: Path) -> dict | None:
     """The precision choice recorded in the resume state under ``out`` (``last/``, else a complete ``last.tmp/``
-    that ``load_resume_state`` will take), None without one. A state written before the choice was recorded ran
-    under auto's earlier rule: bf16 with a CUDA GPU, else float32."""
-    for folder in ("last", "last.tmp"):
-        state_file = out / folder / "trainer_state.json"
-        if state_file.is_file():
-            saved = read_json(state_file)
-            if not isinstance(saved, dict):  # load_resume_state refuses it
-                return None
-            if isinstance(saved.get("precision_choice"), dict):
-                return {k: v for k, v in saved["precision_choice"].items() if k != "kept_from_first_sitting"}
-            precision = "bf16" if torch.cuda.is_available() else "no"
-            return {"precision": precision, "requested": "auto", "given": False,
-                    "reason": f"{NAMES[precision]}: {state_file} recorded no choice, so the run's first sitting "
-                              "took auto's earlier rule (bf16 with a CUDA GPU, else float32)"}
-    return None
+    that ``load_resume_state`` will take), None without one."""
+    return recorded_precision([out / folder / "trainer_state.json" for folder in ("last", "last.tmp")])
 
 
 def launched_processes() -> int:
@@ -461,22 +453,6 @@ def load_resume_state(run: Run) -> TrainState:
     # states written before the totals were kept have none: their earlier sittings count as 0
     return TrainState(step=saved["step"], history=saved["history"], best=saved["best"],
                       train_tokens=saved.get("train_tokens", 0), train_seconds=saved.get("train_seconds", 0.0))
-
-
-def plot_history(history: list[dict], path: Path, k: int) -> None:
-    matplotlib.use("Agg")
-    steps = [h["step"] for h in history]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot([h["step"] for h in history if h["train_loss"] is not None],
-             [h["train_loss"] for h in history if h["train_loss"] is not None], label="train")
-    ax1.plot(steps, [h["heldout_loss"] for h in history], label="held-out")
-    ax1.set_xlabel("step"), ax1.set_ylabel("loss"), ax1.legend(), ax1.set_title("loss")
-    ax2.plot(steps, [h["sim_accept"] for h in history], marker="o")
-    ax2.set_xlabel("step"), ax2.set_ylabel(f"mean accepted (of {k})"), ax2.set_title("simulated acceptance")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def train_meta(run: Run, data: TrainData, state: TrainState, *, init_source: dict, target_spec: str,
