@@ -130,6 +130,20 @@ def test_a_sequence_taken_by_another_context_gives_the_same_drafts(engine):
         assert tokens == alone(engine, context)[0]
 
 
+def test_a_context_sent_again_or_cut_short_computes_its_last_token_again(engine):
+    # a retry sends the same context; a client may send less than it did before: the held sequence gives all but
+    # the last token, whose logits the draft starts from
+    cache = SessionCache(0)
+    decoder = lane(engine, 1, 100, cache)
+    context = list(range(7, 40))
+    for sent in (context, context, context[:20], context[:21]):
+        finished = decoder.admit([0], [sent])
+        while not finished:
+            finished = decoder.step()
+        assert finished[0][1].tokens == alone(engine, sent)[0], len(sent)
+    assert cache.stats().reused_tokens == 32 + 19 + 20
+
+
 def test_batched_rows_and_a_released_row_leave_the_others_as_alone(engine):
     decoder = lane(engine, 3, 64, SessionCache(1 << 20))
     rng = random.Random(2)

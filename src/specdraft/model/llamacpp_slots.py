@@ -110,7 +110,7 @@ class LlamaCppSlots:
     """``slots`` rows of at most ``capacity`` positions (context + ``max_new_tokens``) decoding together in llama.cpp,
     over the GGUF ``model`` (``model.llamacpp.load_gguf_model``; the caller frees it after ``close``). With a
     ``SessionCache``, finished rows' sequences are kept for reuse (more of them as its budget allows); without one,
-    every context is prefilled whole and nothing is reused. The interface is ``SlotDecoder``'s."""
+    nothing is kept. The interface is ``SlotDecoder``'s."""
 
     def __init__(self, model: Any, slots: int, capacity: int, max_new_tokens: int, eos: set[int],
                  vocab_size: int, threads: int | None = None, cache: SessionCache | None = None, name: str = "draft"):
@@ -125,7 +125,6 @@ class LlamaCppSlots:
         most = min(slots, lib.llama_max_parallel_sequences() - slots)
         extra = cache.claim(self, cells * self.token_bytes, most) if cache is not None else 0
         self.sequences = slots + extra  # a live row, or the context prefilled in pieces, holds one each
-        self.session_bytes = cells * self.token_bytes
         threads = threads or max(1, (os.cpu_count() or 2) - 1)
         # a step's batch holds one token per sequence (llama.cpp reserves its graph for that many outputs); a
         # prefill's pass one
