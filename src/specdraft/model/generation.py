@@ -10,6 +10,7 @@ can name a row's settings without the decode loop.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -125,6 +126,28 @@ class RowSampler:
         return {"probs": list(self.probs) if s.return_probs else None,
                 "alternative_ids": list(self.alternative_ids) if s.top_alternatives else None,
                 "alternative_probs": list(self.alternative_probs) if s.top_alternatives else None}
+
+
+def row_samplers(sampling: Sequence[DraftSampling] | None, m: int, device: torch.device) -> list[RowSampler | None]:
+    """One ``RowSampler`` per row of ``m`` (None for a plain greedy row, and for all without ``sampling``)."""
+    if sampling is None:
+        return [None] * m
+    if len(sampling) != m:
+        raise ValueError(f"{m} prompts but {len(sampling)} sampling settings")
+    return [None if s.plain else RowSampler(s, device) for s in sampling]
+
+
+def finish_reason(token: int, generated: int, max_new_tokens: int, eos: set[int] | frozenset[int],
+                  sampler: RowSampler | None) -> str | None:
+    """Why a row that just took ``token`` (its ``generated``-th) is done -- ``Generation.finish_reason`` -- or None
+    while it goes on."""
+    if token in eos:
+        return "eos"
+    if generated >= max_new_tokens:
+        return "length"
+    if sampler is not None and sampler.stopped:  # its stop rule
+        return "confidence"
+    return None
 
 
 def top_logprobs_of(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:

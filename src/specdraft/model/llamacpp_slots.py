@@ -31,9 +31,11 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from specdraft.model.generation import DraftSampling, Generation, RowSampler
+from specdraft.model.generation import DraftSampling, Generation, RowSampler, finish_reason, row_samplers
 from specdraft.model.llamacpp import CTX_PAD, llama_cpp_module, logits_row, sequences_context
 from specdraft.model.prefix_cache import PrefixCacheStats
+
+CPU = torch.device("cpu")  # llama.cpp hands its logits over in host memory
 
 
 def kv_bytes_per_token(model: Any) -> int:
@@ -183,7 +185,7 @@ class LlamaCppSlots:
         token picked as its ``sampling`` says; the rows already finished."""
         if len(prompts) > self.free:
             raise ValueError(f"admit: {len(prompts)} prompts but only {self.free} free slots")
-        samplers = self._samplers(sampling, len(prompts))
+        samplers = row_samplers(sampling, len(prompts), CPU)
         finished: list[tuple[int, Generation]] = []
         for index, prompt, sampler in zip(indices, prompts, samplers):
             prompt = self._checked(prompt)
@@ -212,8 +214,8 @@ class LlamaCppSlots:
             seq, reused = self._take_sequence(prompt, limit=start)
             if reused != start:
                 raise ValueError(f"prefill_chunk: no idle sequence holds the first {start} tokens of prompt {index}")
-            self.chunked = _Row(index, seq, total, [], self._samplers(
-                None if sampling is None else [sampling], 1)[0])
+            self.chunked = _Row(index, seq, total, [], row_samplers(
+                None if sampling is None else [sampling], 1, CPU)[0])
         elif self.chunked.index != index:
             raise ValueError(f"prefill_chunk: prompt {index} is not the one being prefilled in pieces")
         row = self.chunked
@@ -323,13 +325,6 @@ class LlamaCppSlots:
                              f"{len(prompt) + self.max_new_tokens - 1} > {min(self.capacity, self.positions)}")
         return prompt
 
-    def _samplers(self, sampling: Sequence[DraftSampling] | None, m: int) -> list[RowSampler | None]:
-        if sampling is None:
-            return [None] * m
-        if len(sampling) != m:
-            raise ValueError(f"{m} prompts but {len(sampling)} sampling settings")
-        return [None if s.plain else RowSampler(s, torch.device("cpu")) for s in sampling]
-
     @staticmethod
     def _pick(row: _Row, logits: np.ndarray) -> int:
         greedy = int(logits.argmax())
@@ -345,13 +340,8 @@ class LlamaCppSlots:
         finished = []
         for row, token in zip(rows, picked):
             row.tokens.append(token)
-            if token in self.eos:
-                reason = "eos"
-            elif len(row.tokens) >= self.max_new_tokens:
-                reason = "length"
-            elif row.sampler is not None and row.sampler.stopped:
-                reason = "confidence"
-            else:
+            reason = finish_reason(token, len(row.tokens), self.max_new_tokens, self.eos, row.sampler)
+            if reason is None:
                 continue
             finished.append((row.index, Generation(row.tokens, reason,
                                                    **(row.sampler.report() if row.sampler else {}))))

@@ -21,7 +21,14 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdraft.model.forward import cache_kwargs, left_pad, model_device, pad_token_id, positions_from_mask
-from specdraft.model.generation import DraftSampling, Generation, RowSampler, top_logprobs_of
+from specdraft.model.generation import (
+    DraftSampling,
+    Generation,
+    RowSampler,
+    finish_reason,
+    row_samplers,
+    top_logprobs_of,
+)
 from specdraft.model.lean import lean_forward
 from specdraft.model.prefix_cache import PrefixCache
 from specdraft.model.specs import text_config
@@ -406,11 +413,7 @@ class SlotDecoder:
         return self._record(nxt.tolist(), range(n), self._tops(logits[:, -1, :]))
 
     def _samplers(self, sampling: Sequence[DraftSampling] | None, m: int) -> list[RowSampler | None]:
-        if sampling is None:
-            return [None] * m
-        if len(sampling) != m:
-            raise ValueError(f"{m} prompts but {len(sampling)} sampling settings")
-        return [None if s.plain else RowSampler(s, self.device) for s in sampling]
+        return row_samplers(sampling, m, self.device)
 
     def _pick(self, logits: torch.Tensor, samplers: Sequence[RowSampler | None]) -> torch.Tensor:
         """Each row's next token from its logits [n, V]: the argmax, except where a row's sampler picks."""
@@ -437,13 +440,8 @@ class SlotDecoder:
                 self.tops[row][0].append(tops[0][i])
                 self.tops[row][1].append(tops[1][i])
             sampler = self.samplers[row]
-            if tok in self.eos:
-                reason = "eos"
-            elif len(toks) >= self.max_new_tokens:
-                reason = "length"
-            elif sampler is not None and sampler.stopped:  # its stop rule: the slot is free for the next prompt
-                reason = "confidence"
-            else:
+            reason = finish_reason(tok, len(toks), self.max_new_tokens, self.eos, sampler)
+            if reason is None:  # else it leaves: the slot is free for the next prompt
                 continue
             top_ids, top_lps = self.tops[row] if tops is not None else (None, None)
             finished.append((self.index[row], Generation(toks, reason, top_ids, top_lps,
