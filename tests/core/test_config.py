@@ -91,13 +91,12 @@ def test_bad_command_lines_are_usage_errors_naming_the_option(argv, says, capsys
 
 def test_help_carries_descriptions_defaults_and_required(capsys):
     help_text = " ".join(_parser().format_help().split())
-    assert "--steps STEPS how many (default: 10)" in help_text
-    assert "--verbose, --no-verbose say more (default: False)" in help_text
-    assert "--mode {fast,slow}" in help_text and "(default: 'fast')" in help_text
-    assert "--tags TAGS repeatable (default: [])" in help_text
-    assert "--num-draft NUM_DRAFT, --k NUM_DRAFT draft tokens (default: 4)" in help_text
-    assert "--out OUT output folder (required, here or in --config)" in help_text
-    assert "source input file" in help_text and "source input file (default" not in help_text
+    expected = ["--steps STEPS how many (default: 10)", "--verbose, --no-verbose say more (default: False)",
+                "--mode {fast,slow}", "(default: 'fast')", "--tags TAGS repeatable (default: [])",
+                "--num-draft NUM_DRAFT, --k NUM_DRAFT draft tokens (default: 4)",
+                "--out OUT output folder (required, here or in --config)", "source input file"]
+    assert [fragment for fragment in expected if fragment not in help_text] == []
+    assert "source input file (default" not in help_text
 
 
 # --------------------------------------------------------------------------------------- config_from_args

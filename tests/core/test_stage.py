@@ -132,6 +132,15 @@ def test_resumed_ids_cut_a_torn_last_line_and_make_the_file(tmp_path):
     assert stage.resumed_ids(tmp_path / "new.jsonl") == set() and (tmp_path / "new.jsonl").is_file()
 
 
+def test_resume_rows_keeps_rows_made_with_the_same_key_and_refuses_others(tmp_path):
+    out = _write_rows(tmp_path / "t.jsonl", [_trace("a"), _trace("b")])
+    summary = _summary(tmp_path / "t.summary.json", resume_key=KEY, status="running")
+    assert stage.resume_rows(out, summary, KEY) == {"a", "b"}
+    with pytest.raises(RecordFileError, match="max_new_tokens"):
+        stage.resume_rows(out, summary, {**KEY, "max_new_tokens": 16})
+    assert stage.resume_rows(tmp_path / "new.jsonl", summary, {**KEY, "max_new_tokens": 16}) == set()
+
+
 def test_row_ids_are_the_ids_already_written(tmp_path):
     p = _write_rows(tmp_path / "t.jsonl", [_trace("a"), "", _trace("b")])
     assert stage.row_ids(p) == {"a", "b"}

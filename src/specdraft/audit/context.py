@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -124,6 +124,11 @@ class AuditContext:
             log.exception("audit check %s failed with an error", check)
             self.add(check, "fail", f"the check itself failed: {type(e).__name__}: {e}")
             return None
+
+    def run_checks(self, record: dict, checks: Sequence[tuple[str, Callable[[AuditContext, dict], Any]]]) -> None:
+        """A link's checks of one record, in order, each guarded: one that errs never hides the others."""
+        for check, fn in checks:
+            self.guard(check, lambda fn=fn: fn(self, record))
 
     def require(self, path: Path, what: str) -> bool:
         """True when the file (or dir) exists; else one failed 'missing' finding per path."""

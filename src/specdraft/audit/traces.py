@@ -54,14 +54,10 @@ def audit_traces(ctx: AuditContext) -> None:
     ctx.guard("traces summary", lambda: _summary(ctx, summary))
     if summary.get("stage") == "merge-traces":
         ctx.guard("traces shards", lambda: _shards(ctx, summary))
-    ctx.guard("target declared", lambda: _target(ctx, summary))
-    ctx.guard("greedy", lambda: _greedy(ctx, summary))
-    ctx.guard("traces counts", lambda: _counts(ctx, summary))
-    ctx.guard("trace ids", lambda: _ids(ctx))
-    ctx.guard("prompt ids", lambda: _prompt_ids(ctx, summary))
-    ctx.guard("finish reasons", lambda: _finish(ctx, summary))
-    ctx.guard("stored distribution", lambda: _stored_distribution(ctx, summary))
-    ctx.guard("validation", lambda: _validation(ctx, summary))
+    ctx.run_checks(summary, [("target declared", _target), ("greedy", _greedy), ("traces counts", _counts),
+                             ("trace ids", lambda c, _: _ids(c)), ("prompt ids", _prompt_ids),
+                             ("finish reasons", _finish), ("stored distribution", _stored_distribution),
+                             ("validation", _validation)])
 
 
 def _settings_key(s: dict) -> str:

@@ -33,13 +33,9 @@ def audit_training(ctx: AuditContext) -> None:
     meta = ctx.train_meta
     if meta is None:
         return
-    ctx.guard("init model", lambda: _init(ctx, meta))
-    ctx.guard("train target", lambda: _target(ctx, meta))
-    ctx.guard("train traces", lambda: _traces(ctx, meta))
-    ctx.guard("train labels", lambda: _labels(ctx, meta))
-    ctx.guard("checkpoint weights", lambda: _weights(ctx, meta))
-    ctx.guard("tensor shapes", lambda: _shapes(ctx))
-    ctx.guard("config vs init", lambda: _config_vs_init(ctx, meta))
+    ctx.run_checks(meta, [("init model", _init), ("train target", _target), ("train traces", _traces),
+                          ("train labels", _labels), ("checkpoint weights", _weights),
+                          ("tensor shapes", lambda c, _: _shapes(c)), ("config vs init", _config_vs_init)])
 
 
 def _init(ctx: AuditContext, meta: dict) -> None:

@@ -160,6 +160,13 @@ def resumed_ids(out: Path, fields: dict[str, type] = TRACE_FIELDS) -> set[str]:
     return row_ids(out, fields)
 
 
+def resume_rows(out: Path, summary_path: Path, key: dict[str, Any], fields: dict[str, type] = TRACE_FIELDS) -> set[str]:
+    """The ids a rerun keeps in ``out`` (``resumed_ids``), once ``check_resume`` finds them made with ``key``."""
+    done = resumed_ids(out, fields)
+    check_resume(summary_path, out, key, len(done))
+    return done
+
+
 def write_running_summary(summary_path: Path, base: dict[str, Any], done: int) -> list[dict[str, Any]]:
     """The summary of a run under way (``base`` and the earlier runs' records, which it keeps); those records."""
     earlier_runs = previous_runs(summary_path, done)

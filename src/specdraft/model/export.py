@@ -27,7 +27,14 @@ from transformers import AutoModelForCausalLM
 
 from specdraft.core.io import atomic_write_json, read_json
 from specdraft.model.loader import TOKENIZER_FILES, packed_weight_file
-from specdraft.model.specs import load_config, text_config, tokenizer_from_dir, weight_file_problems, weight_files
+from specdraft.model.specs import (
+    architecture_facts,
+    load_config,
+    text_config,
+    tokenizer_from_dir,
+    weight_file_problems,
+    weight_files,
+)
 from specdraft.quant import q4g, qd4
 from specdraft.quant.gguf import maps_to_q4_1, permute_rows, q4_1_blocks
 from specdraft.quant.q4g import QuantizedTensor
@@ -142,20 +149,14 @@ def llama_rope_row_order(rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(rows).reshape(n_head, 2, rows // n_head // 2).transpose(1, 2).reshape(rows)
 
 
-def _row_order(name: str, arch: str, text) -> torch.Tensor | None:
+def _row_order(name: str, arch: str, facts: dict) -> torch.Tensor | None:
     if arch != "llama":
         return None
-    heads = text.num_attention_heads
     if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-        return llama_rope_row_order(text.num_attention_heads * _head_dim(text), heads)
+        return llama_rope_row_order(facts["heads"] * facts["head_dim"], facts["heads"])
     if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-        kv = getattr(text, "num_key_value_heads", None) or heads
-        return llama_rope_row_order(kv * _head_dim(text), kv)
+        return llama_rope_row_order(facts["kv_heads"] * facts["head_dim"], facts["kv_heads"])
     return None
-
-
-def _head_dim(text) -> int:
-    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
 @dataclass
@@ -204,14 +205,14 @@ def gguf_tensors(src: DraftSource, dtype: str = "auto") -> list[GgufTensor]:
     arch = src.config.model_type
     if arch not in GGUF_ARCHS:
         raise ValueError(f"{src.model_dir}: a {arch!r} model; the GGUF export writes {', '.join(GGUF_ARCHS)}")
-    text = text_config(src.config)
-    names = gguf.get_tensor_name_map(GGUF_ARCHS[arch], text.num_hidden_layers)
+    facts = architecture_facts(src.config)
+    names = gguf.get_tensor_name_map(GGUF_ARCHS[arch], facts["layers"])
     out = []
     for name, value in src.tensors.items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"{src.model_dir}: tensor {name} has no GGUF name for the {arch} architecture")
-        order = _row_order(name, arch, text)
+        order = _row_order(name, arch, facts)
         if order is not None:
             value = permute_rows(value, order) if isinstance(value, QuantizedTensor) else value[order]
         data, qtype = _encode(value, dtype, keep_float32=src.kind == "qd4")
@@ -263,24 +264,25 @@ def _model_metadata(w: gguf.GGUFWriter, src: DraftSource, name: str, file_type: 
     if rope_type not in (None, "default"):
         raise ValueError(f"{src.model_dir}: rope type {rope_type!r} is not exported (llama.cpp needs its own "
                          "scaling keys for it)")
+    facts = architecture_facts(src.config)
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(name)
-    w.add_block_count(text.num_hidden_layers)
-    w.add_context_length(text.max_position_embeddings)
-    w.add_embedding_length(text.hidden_size)
-    w.add_feed_forward_length(text.intermediate_size)
-    w.add_head_count(text.num_attention_heads)
-    w.add_head_count_kv(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    w.add_block_count(facts["layers"])
+    w.add_context_length(facts["max_positions"])
+    w.add_embedding_length(facts["hidden"])
+    w.add_feed_forward_length(facts["intermediate"])
+    w.add_head_count(facts["heads"])
+    w.add_head_count_kv(facts["kv_heads"])
     if theta is not None:
         w.add_rope_freq_base(float(theta))
     w.add_layer_norm_rms_eps(float(text.rms_norm_eps))
-    if getattr(text, "head_dim", None) is not None:
-        w.add_key_length(text.head_dim)
-        w.add_value_length(text.head_dim)
+    if getattr(text, "head_dim", None) is not None:  # written only where the config declares it, as convert does
+        w.add_key_length(facts["head_dim"])
+        w.add_value_length(facts["head_dim"])
     w.add_file_type(file_type)
     if src.config.model_type == "llama":
-        w.add_vocab_size(text.vocab_size)
-        w.add_rope_dimension_count(_head_dim(text))
+        w.add_vocab_size(facts["vocab"])
+        w.add_rope_dimension_count(facts["head_dim"])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 

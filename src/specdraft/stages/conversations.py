@@ -49,11 +49,10 @@ from specdraft.core.records import PromptRecord, read_prompts
 from specdraft.core.stage import (
     TRACE_FIELDS,
     StageResult,
-    check_resume,
     checked_rows,
     peak_rss_mb,
     resume_key,
-    resumed_ids,
+    resume_rows,
     run_logged,
     side_paths,
     write_running_summary,
@@ -144,11 +143,10 @@ def _run(cfg: ConversationsConfig, out: Path, summary_path: Path, log_path: Path
     eval_texts = [text for path in eval_files for text in read_eval_prompts(path)]
     plan, dropped, examples = make_plan(cfg, tokenizer, prompts, first_rows, eval_texts)
 
-    done = resumed_ids(out)
     plan_sha = hashlib.sha256(json.dumps([[r.id, list(r.prompt_ids)] for r in plan]).encode()).hexdigest()
     key = resume_key(target, cfg, True, {"tokenizer": tokenizer_fingerprint(tokenizer), "plan_sha256": plan_sha,
                                          "keep_first_turns": cfg.keep_first_turns})
-    check_resume(summary_path, out, key, len(done))
+    done = resume_rows(out, summary_path, key)
     clash = {r.id for r in plan} & {row["id"] for row in first_rows}
     if clash:
         raise RecordFileError(f"{cfg.first_turns}: row id(s) {sorted(clash)[:3]} clash with this stage's ids")

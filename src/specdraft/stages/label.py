@@ -37,9 +37,8 @@ from specdraft.core.stage import (
     LABEL_FIELDS,
     Progress,
     StageResult,
-    check_resume,
     peak_rss_mb,
-    resumed_ids,
+    resume_rows,
     run_logged,
     write_running_summary,
 )
@@ -171,7 +170,6 @@ def _run_label(cfg: LabelConfig, out: Path, summary_path: Path, log_path: Path) 
     if not rows:  # an empty labels file would pass for a finished run
         raise RecordFileError(f"prompts file {cfg.prompts}: no row with a reference answer ('response') among "
                           f"{total_in_file}; label needs answers to teacher-force (the data stage keeps them)")
-    done = resumed_ids(out, LABEL_FIELDS)  # the traces stage's reader: ids and fields checked, a duplicate refused
     target = describe_source(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
     template = has_chat_template(tokenizer)
@@ -180,7 +178,7 @@ def _run_label(cfg: LabelConfig, out: Path, summary_path: Path, log_path: Path) 
     if cfg.answers_from:  # whose continuations, and how long: rows from another draft must not mix in
         key["answers_from"] = {"weights_sha256": _draft_weights_sha256(cfg.answers_from),
                                "max_new_tokens": cfg.max_new_tokens}
-    check_resume(summary_path, out, key, len(done))
+    done = resume_rows(out, summary_path, key, LABEL_FIELDS)  # ids and fields checked, a duplicate refused
     todo = [r for r in rows if str(r["id"]) not in done]
     base = {"stage": "label", "target": target,
             "prompts": {"path": str(cfg.prompts), "sha256": sha256_file(cfg.prompts), "records": total_in_file,

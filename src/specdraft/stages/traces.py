@@ -71,7 +71,7 @@ from specdraft.core.stage import (
     checked_rows,
     peak_rss_mb,
     resume_key,
-    resumed_ids,
+    resume_rows,
     run_logged,
     side_paths,
     write_running_summary,
@@ -217,14 +217,13 @@ def _run_traces(cfg: TracesConfig, out: Path, summary_path: Path, log_path: Path
     shard_i, shard_n = parse_shard(cfg.shard)
     records = records[shard_i::shard_n]
 
-    done = resumed_ids(out)
     target = describe_source(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
     template = has_chat_template(tokenizer)
     if not template:
         log.warning("target %s has no chat template: prompts are tokenized raw", cfg.target)
     key = resume_key(target, cfg, template, {"tokenizer": tokenizer_fingerprint(tokenizer), **engine_key(cfg)})
-    check_resume(summary_path, out, key, len(done))
+    done = resume_rows(out, summary_path, key)
     todo = [r for r in records if r.id not in done]
     log.info("traces: %d prompts in %s, %d selected (limit %s, shard %s), %d already in %s, %d to decode",
              total_in_file, cfg.prompts, len(records), cfg.limit, cfg.shard, len(done & {r.id for r in records}),
