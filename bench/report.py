@@ -71,12 +71,7 @@ def readme_results() -> str:
               f"{x(best['speedup'])} / {x(trained['speedup'])} |",
               f"| `specdraft serve` against `llama-server`, the same draft, 4 clients: answered/s | "
               f"{x(clients['ratio'])} |",
-              "| `specdraft serve` in a speculation loop (each call the whole context so far), AVX2-only EPYC: server "
-              "time per generated token against `llama-server` with its prompt cache (below 1: cheaper), "
-              + " / ".join(str(lv["loops"]) for lv in loop) + " loop(s): torch / `--engine llama.cpp` / "
-              f"`--engine llama.cpp` with `stop_confidence` {LOOP_STOP} | "
-              + " · ".join(" / ".join(x(_loop_ratio(lv, name, "llama_server")) for lv in loop)
-                           for name in ("reuse", "llama_engine", f"llama_engine_stop_{LOOP_STOP}")) + " |",
+              *_readme_loop_rows(loop),
               f"| `make demo` (small), the install included: AVX-512 + bf16 / AVX2-only EPYC | "
               f"{minutes(b['small']['wall_seconds'])} / {minutes(small2['wall_seconds'])} |",
               "",
@@ -85,6 +80,22 @@ def readme_results() -> str:
               f"MT-bench points, `default` and `full` on {b['default']['eval_points']} and {b['full']['eval_points']} "
               "points of the packaged held-out set."]
     return "\n".join(lines)
+
+
+def _readme_loop_rows(loop: list[dict[str, Any]]) -> list[str]:
+    """The loop rows: each engine's server time per generated token against llama-server's, and what auto picks."""
+    loops = " / ".join(str(lv["loops"]) for lv in loop)
+    picks = load("engine_choice.avx2")["figures"]["picks"]
+    llama = "llama.cpp engine" + (" (what `--engine auto` picks there, given `--gguf`)" if set(picks) == {"llama.cpp"}
+                                  else "")
+    labels = {"reuse": f"`specdraft serve` in a speculation loop on an AVX2-only EPYC, time per generated token "
+                       f"against `llama-server` with its prompt cache (below 1: cheaper), {loops} loop(s): "
+                       "torch engine",
+              "llama_engine": f"the same, {llama}",
+              f"llama_engine_stop_{LOOP_STOP}": f"the same, llama.cpp engine, drafts that stop below confidence "
+                                                f"{LOOP_STOP} (`stop_confidence`)"}
+    return [f"| {label} | " + " / ".join(x(_loop_ratio(lv, name, "llama_server")) for lv in loop) + " |"
+            for name, label in labels.items()]
 
 
 def readme_demo_time() -> str:
@@ -139,6 +150,13 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
                      "explicit format at 64 / 256 / 1,024 tokens",
                      f"{auto['compute']}" + (f" ({auto['prefill']} prefill)" if auto["compute"] == "int4" else "")
                      + "; " + " / ".join(x(v) for v in fig["auto_vs_fastest_explicit"].values()),
+                     f"{machine(result)}, {result['date']}", path.name))
+    for path in sorted(RESULTS.glob("engine_choice.*.json")):
+        result = json.loads(path.read_text())
+        fig = result["figures"]
+        picks = ", ".join(f"{name} {n} of {fig['repeats']}" for name, n in fig["picks"].items())
+        rows.append(("`specdraft serve --gguf` (`--engine auto`): what it picks, and its replayed loop's cost, torch "
+                     "against llama.cpp", f"{picks}; {x(fig['torch_loop_vs_llama_cpp'])}",
                      f"{machine(result)}, {result['date']}", path.name))
     for path in sorted(RESULTS.glob("trace_backends.*.json")):
         result = json.loads(path.read_text())

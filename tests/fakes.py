@@ -89,14 +89,17 @@ never)."""
             if self.chunked and self.chunked[0] == key:
                 self.chunked = None
 
+    def close(self):
+        self.calls.append(("close", []))
+
 
 class FakeEngine:
     """A ``server.engine.DraftEngine`` for ``create_app``: its lanes are ``FakeLane``s (``lanes`` keeps them)."""
 
     name, compute, vocab_size, max_positions = "fake", "float32", 1000, 272
 
-    def __init__(self, delay=0.0, fail_when=None, gate: threading.Event | None = None):
-        self.delay, self.fail_when, self.gate, self.lanes = delay, fail_when, gate, []
+    def __init__(self, delay=0.0, fail_when=None, gate: threading.Event | None = None, hook=None):
+        self.delay, self.fail_when, self.gate, self.hook, self.lanes = delay, fail_when, gate, hook, []
         # what ``model.loader.resolve_compute`` says of a compute given on the command line
         self.compute_choice = {"compute": self.compute, "prefill": self.compute, "requested": self.compute,
                                "reason": f"--compute {self.compute}"}
@@ -108,7 +111,8 @@ class FakeEngine:
         pass
 
     def lane(self, slots, capacity, num_draft, prefix_cache=None):
-        lane = FakeLane(slots, capacity, num_draft, self.vocab_size, self.delay, self.gate, self.fail_when)
+        lane = FakeLane(slots, capacity, num_draft, self.vocab_size, self.delay, self.gate, self.fail_when,
+                        hook=self.hook)
         self.lanes.append(lane)
         return lane
 

@@ -6,6 +6,7 @@ draft's is refused naming why."""
 
 import json
 import random
+import time
 
 import httpx
 import pytest
@@ -16,7 +17,8 @@ from specdraft.model.llamacpp_slots import LlamaCppSlots, SessionCache, common_p
 from specdraft.model.sampling import SamplingParams
 from specdraft.server.app import create_app
 from specdraft.server.config import ServeConfig
-from specdraft.server.engine import SlotLane, gguf_of, load_llamacpp_engine
+from specdraft.server.engine import Engine, LlamaCppEngine, SlotLane, gguf_of, load_llamacpp_engine
+from specdraft.server.engine_choice import LoopReplay, load_serving_engine, replay_loop
 from specdraft.server.scheduler import Scheduler
 from specdraft.stages.export import ExportConfig, run_export
 
@@ -234,4 +236,47 @@ def test_a_torch_server_on_an_avx2_cpu_is_told_of_the_llamacpp_engine(monkeypatc
     hint = engine_module.engine_hint()
     assert (hint is not None) == hinted
     if hinted:
-        assert "--engine llama.cpp" in hint and "AVX2" in hint
+        assert "--gguf FILE" in hint and "--engine auto" in hint and "AVX2" in hint
+
+
+@pytest.mark.parametrize("cheaper", ["torch", "llama.cpp"])
+def test_auto_replays_a_loop_on_both_engines_and_serves_the_cheaper_freeing_the_other(draft, cheaper):
+    packed, gguf = draft
+    measured = {}
+
+    def measure(engine, replay, num_draft):  # the real replay, the engines' loop costs set
+        name = "llama.cpp" if isinstance(engine, LlamaCppEngine) else "torch"
+        measured[name] = engine, replay_loop(engine, LoopReplay(prompt_tokens=24, timed_calls=2), num_draft)
+        return {**measured[name][1], "loop_s": 1.0 if name == cheaper else 3.0}
+
+    served = load_serving_engine(ServeConfig(model_dir=str(packed), gguf=str(gguf), compute="float32", threads=1,
+                                             num_draft=NUM_DRAFT), measure=measure)
+    try:
+        for _, seconds in measured.values():
+            assert 0 < seconds["first_call_s"] and 0 < seconds["later_call_s"]
+        choice = served.compute_choice["engine_choice"]
+        assert choice["engine"] == cheaper and set(choice["candidates"]) == {"torch", "llama.cpp"}
+        assert isinstance(served, LlamaCppEngine if cheaper == "llama.cpp" else Engine)
+        llama = measured["llama.cpp"][0]
+        assert all(lane.ctx is None for lane in llama.lanes)  # the replay's lane is freed
+        assert (llama.model is None) == (cheaper == "torch")  # the engine not chosen is closed
+    finally:
+        served.close()
+
+
+def test_an_auto_server_given_the_gguf_serves_the_engine_it_measured(draft):
+    packed, gguf = draft
+    cfg = ServeConfig(model_dir=str(packed), gguf=str(gguf), threads=1, max_wait_ms=5, num_draft=NUM_DRAFT)
+    with ThreadServer(create_app(cfg), cfg) as srv:
+        for _ in range(600):  # the engines load and are timed in a thread; /health says 503 until then
+            health = httpx.get(srv.url + "/health", timeout=10)
+            if health.status_code == 200:
+                break
+            time.sleep(0.1)
+        answer = httpx.post(srv.url + "/draft", json={"token_ids": list(range(5, 40))}, timeout=60)
+    body = health.json()
+    choice = body["compute_choice"]["engine_choice"]
+    assert health.status_code == 200 and choice["engine"] in ("torch", "llama.cpp")
+    assert body["compute"].startswith("llama.cpp") == (choice["engine"] == "llama.cpp")
+    assert all(figures["loop_s"] > 0 for figures in choice["candidates"].values())
+    assert answer.status_code == 200 and len(answer.json()["draft_ids"]) == NUM_DRAFT

@@ -600,13 +600,13 @@ def test_failed_batch_is_an_error_for_its_requests_and_the_server_goes_on():
 def test_health_is_503_until_the_weights_are_loaded(monkeypatch, packed_dir):
     import specdraft.server.app as app_mod
     release = threading.Event()
-    real = app_mod.load_engine
+    real = app_mod.load_serving_engine
 
     def slow_load(*a, **kw):
         release.wait(20)
         return real(*a, **kw)
 
-    monkeypatch.setattr(app_mod, "load_engine", slow_load)
+    monkeypatch.setattr(app_mod, "load_serving_engine", slow_load)
     cfg = ServeConfig(model_dir=str(packed_dir), threads=1)
     with ThreadServer(create_app(cfg), cfg) as srv:
         r = httpx.get(srv.url + "/health")

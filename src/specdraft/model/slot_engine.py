@@ -376,6 +376,9 @@ class SlotDecoder:
             raise ValueError(f"{what}: prompt of {width} tokens needs a capacity of "
                              f"{width + self.max_new_tokens - 1} > {self.capacity}")
 
+    def close(self) -> None:
+        """Nothing held outside Python: the slots' tensors go with the decoder (``LlamaCppSlots`` frees a context)."""
+
     @torch.inference_mode()
     def release(self, indices: Iterable[int]) -> None:
         """Drop these rows (live, or the one being prefilled in pieces) without finishing them."""

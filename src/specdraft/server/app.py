@@ -30,16 +30,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdraft import __version__
 from specdraft.model.loader import ModelLoadError
-from specdraft.model.specs import load_config, text_config
+from specdraft.model.specs import architecture_facts, load_config
 from specdraft.server.config import ServeConfig
-from specdraft.server.engine import (
-    DraftEngine,
-    PrefixStore,
-    engine_hint,
-    heap_trimming,
-    load_engine,
-    load_llamacpp_engine,
-)
+from specdraft.server.engine import DraftEngine, PrefixStore, engine_hint, heap_trimming
+from specdraft.server.engine_choice import load_serving_engine
 from specdraft.server.metrics import ServerMetrics
 from specdraft.server.scheduler import (
     ANSWERED,
@@ -128,13 +122,10 @@ class ServerState:
         """Load the draft named by the config and serve it; on failure, say so in ``/health`` and tell the caller."""
         cfg = self.config
         try:
-            loaded = (load_llamacpp_engine(cfg.model_dir, cfg.gguf, cfg.model_name, cfg.threads)
-                      if cfg.engine == "llama.cpp" else
-                      load_engine(cfg.model_dir, cfg.weights, cfg.compute, cfg.model_name, cfg.int4_prefill, cfg.lean,
-                                  cfg.device))
+            loaded = load_serving_engine(cfg)
             if loaded.vocab_size != self.vocab_size:
                 raise ValueError(f"loaded vocab {loaded.vocab_size} != config.json vocab {self.vocab_size}")
-            if cfg.engine == "torch" and engine_hint() is not None:
+            if cfg.gguf is None and engine_hint() is not None:
                 log.info("%s", engine_hint())
             self.start(loaded)
         except BaseException as e:
@@ -234,8 +225,8 @@ def _model_facts(config: ServeConfig) -> tuple[int, int | None]:
         cfg = load_config(config.model_dir)
     except ValueError as e:
         raise ModelLoadError(f"{config.model_dir}: cannot read the model config ({e})") from e
-    text = text_config(cfg)
-    return int(text.vocab_size), getattr(text, "max_position_embeddings", None)
+    facts = architecture_facts(cfg)
+    return int(facts["vocab"]), facts["max_positions"]
 
 
 # -------------------------------------------------------------------------------------------------- app

@@ -38,7 +38,7 @@ from specdraft.model.llamacpp_slots import LlamaCppSlots, SessionCache
 from specdraft.model.loader import load_draft, packed_weight_file
 from specdraft.model.prefix_cache import PrefixCache, PrefixCacheStats
 from specdraft.model.slot_engine import SlotDecoder
-from specdraft.model.specs import text_config
+from specdraft.model.specs import architecture_facts
 from specdraft.quant.compute_choice import SERVE_WORKLOAD, ComputeSetting, cpu_features
 from specdraft.quant.linear import Int4Prefill
 from specdraft.server.scheduler import Draft, Lane
@@ -156,6 +156,10 @@ class SlotLane:
     def release(self, keys: Sequence[int]) -> None:
         self.decoder.release(keys)
 
+    def close(self) -> None:
+        """Free what the rows hold outside Python (a llama.cpp context); the lane is not used after it."""
+        self.decoder.close()
+
 
 def torch_lane(model: nn.Module, slots: int, capacity: int, num_draft: int, lean: bool = True,
                prefix_cache: PrefixCache | None = None) -> SlotLane:
@@ -228,13 +232,13 @@ def load_engine(model_dir: str | os.PathLike, weights: str | os.PathLike | None,
                    f"off: {lean_unsupported(model)}" if lean_forward(model) is None else "on")
     info = {**source.get("load_info", {}), **summary, "lean_forward": lean_reason, "seconds": source["seconds"],
             "device": source["device"]}
-    text = text_config(model.config)
+    facts = architecture_facts(model.config)
     log.info("draft ready on %s: compute=%s (prefill %s; %s), %d linear layers from QD04 codes, %d quantised at "
              "load, %.1f MB of linear weights per token, lean decode %s, %.2fs", source["device"], summary["compute"],
              summary["prefill"], source["compute_choice"]["reason"], summary["from_codes"],
              summary["quantised_at_load"], summary["linear_weight_bytes"] / 1e6, lean_reason, source["seconds"])
     return Engine(model=model, name=name or Path(model_dir).resolve().name, compute=summary["compute"],
-                  vocab_size=int(text.vocab_size), max_positions=getattr(text, "max_position_embeddings", None),
+                  vocab_size=int(facts["vocab"]), max_positions=facts["max_positions"],
                   weights=source.get("weights"), load_info=info, lean=lean, compute_choice=source["compute_choice"])
 
 
@@ -332,5 +336,6 @@ def engine_hint() -> str | None:
     if cpu["capability"] not in ("AVX2", "DEFAULT") or cpu["amx"] or importlib.util.find_spec("llama_cpp") is None:
         return None
     return (f"this CPU runs torch's kernels at {cpu['capability']} (no AVX-512, no AMX), where llama.cpp decodes a "
-            "4-bit draft several times faster: in a speculation loop serve its GGUF export with --engine llama.cpp "
-            "--gguf FILE (`specdraft export MODEL_DIR --format gguf`; docs/stages/serve.md#the-llamacpp-engine)")
+            "4-bit draft several times faster: give the server the draft's GGUF export (--gguf FILE, from `specdraft "
+            "export MODEL_DIR --format gguf`) and --engine auto times both engines on a speculation loop and serves "
+            "the cheaper (docs/stages/serve.md#the-llamacpp-engine)")
