@@ -67,10 +67,10 @@ BUDGETS: dict[str, Budget] = {
     # small budget's recipe", "Shorter traces over more prompts").
     # Speculation: two prompts, each drafter at k = 16 (the calibrated stop drafts fewer where that pays), two
     # passes so that the summary can tell a difference from the machine's noise, short enough to keep the whole
-    # demo within its time on an AVX2-only CPU (speed only: no acceptance figure comes from it); no predicted speed-ups; in llama.cpp one middling k and no full-precision table, to
-    # keep within its time. Every layer trains: the layers next to the ones the cut drops are among the first 12,
-    # and at 22 steps training them pays more than the backward pass through them costs (docs/history.md, "The small
-    # budget's recipe")
+    # demo within its time on an AVX2-only CPU (speed only: no acceptance figure comes from it); no predicted
+    # speed-ups; in llama.cpp one middling k and no full-precision table, to keep within its time. Every layer
+    # trains: the layers next to the ones the cut drops are among the first 12, and at 22 steps training them pays
+    # more than the backward pass through them costs (docs/history.md, "The small budget's recipe")
     "small": Budget(trace_prompts=200, trace_tokens=32, draft_init=DRAFT_INIT, epochs=1, lr=5e-4,
                     freeze_layers=0, val_prompts=16, val_tokens=64, spec_prompts=2, spec_tokens=32,
                     spec_k=[16], spec_repeats=2, qat=True, compile_drafts=False, predict=False, llama_k=[4],

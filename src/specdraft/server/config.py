@@ -24,14 +24,13 @@ class ServeConfig(StageConfig):
     weights: str | None = Field(
         None, description="QD04 weight file, read by the strict QD04 loader (default: MODEL_DIR/draft.qd4 when "
                           "present; from_pretrained on MODEL_DIR only when there is no weight file)")
-    engine: Literal["auto", "torch", "llama.cpp"] = Field(
-        "auto", description="what runs the draft: torch (the QD04 pack, in the --compute format), llama.cpp (its "
-                            "GGUF export, --gguf, through llama-cpp-python: the `specdraft[llama]` extra), or auto: "
-                            "with --gguf, both loaded and timed on a replayed speculation loop at start, the cheaper "
-                            "serves (torch on a tie; the log and /health say why); without --gguf, torch")
-    gguf: str | None = Field(None, description="with --engine auto or llama.cpp: the GGUF file `specdraft export "
-                                               "MODEL_DIR --format gguf` wrote of this draft (its export record is "
-                                               "checked)")
+    engine: Literal["auto", "torch", "llama.cpp"] = Field("auto", description=(
+        "what runs the draft: torch (the QD04 pack, in the --compute format), llama.cpp (its GGUF export, --gguf; the "
+        "`specdraft[llama]` extra), or auto: given --gguf, both timed on a replayed speculation loop at start and the "
+        "cheaper serves (torch on a tie; the log and /health say why), else torch"))
+    gguf: str | None = Field(None, description=("with --engine auto or llama.cpp: the GGUF file `specdraft export "
+                                                "MODEL_DIR --format gguf` wrote of this draft (its export record is "
+                                                "checked)"))
     host: str = Field("127.0.0.1", description="address to bind (loopback by default)")
     port: int = Field(8000, ge=0, le=65535,
                       description="TCP port; 0 picks a free one (the log line 'listening on http://HOST:PORT' "

@@ -126,6 +126,9 @@ class Lane(Protocol):
     def release(self, keys: Sequence[int]) -> None:
         """Drop these rows, live or mid-prefill."""
 
+    def close(self) -> None:
+        """Free what the rows hold outside Python, for a lane no one runs again (the engine choice's replay)."""
+
 
 class Observer(Protocol):
     def iteration(self, seconds: float, rows: int, prefill_tokens: int, ok: bool) -> None: ...
