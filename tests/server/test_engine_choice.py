@@ -53,6 +53,10 @@ def test_a_replay_times_a_first_call_and_later_calls_that_extend_the_context():
     for before, after in zip(admitted[1:], admitted[2:]):
         drafted = FakeEngine.expected(before, 8)
         assert after[:len(before) + 2] == before + drafted[:2] and after[-1] != drafted[2]
+        assert 3 <= after[-1] < FakeEngine.vocab_size  # an ordinary token of the vocabulary
+    admitted.clear()  # a server drafting 2 tokens a call keeps 1 of them
+    replay_loop(engine, LoopReplay(prompt_tokens=20, timed_calls=2, accepted=2), 2, clock=lambda: next(ticks))
+    assert [len(c) for c in admitted] == [8, 20, 22, 24]
 
 
 def test_engine_and_gguf_are_given_together_where_they_make_sense(packed_dir):

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 TIE_MARGIN = 0.05  # engines this close are tied, and torch serves: a choice that does not flip with the noise
 REPLAY_CACHE_BYTES = 64 << 20  # the torch replay's prefix cache: the loop's blocks, many times over
+FIRST_TOKEN = 3  # the replay's token ids start here: below are pad / bos / eos in the vocabularies served
 
 
 @dataclass(frozen=True)
@@ -70,16 +71,15 @@ def replay_loop(engine: DraftEngine, replay: LoopReplay, num_draft: int,
         return clock() - started, drafts[0].tokens
 
     try:
-        call([rng.randrange(3, vocab) for _ in range(8)])  # warm-up, another context: nothing of it is reused
-        context = [rng.randrange(3, vocab) for _ in range(replay.prompt_tokens)]
+        call([rng.randrange(FIRST_TOKEN, vocab) for _ in range(8)])  # warm-up, another context: nothing reused
+        context = [rng.randrange(FIRST_TOKEN, vocab) for _ in range(replay.prompt_tokens)]
         times = []
         for _ in range(replay.timed_calls + 1):
             seconds, drafted = call(context)
             times.append(seconds)
-            kept = drafted[:replay.accepted]
-            rejected = drafted[replay.accepted] if len(drafted) > replay.accepted else -1
-            target = next(t for t in (rejected + 1, rejected + 2) if 3 <= t < vocab)  # the target's other token
-            context = context + kept + [target]
+            kept = min(replay.accepted, len(drafted) - 1)  # a server of --num-draft 1 or 2 keeps fewer
+            target = FIRST_TOKEN + (drafted[kept] + 1 - FIRST_TOKEN) % (vocab - FIRST_TOKEN)  # not the drafted one
+            context = context + drafted[:kept] + [target]
     finally:
         lane.close()
     later = statistics.median(times[1:])
