@@ -74,7 +74,8 @@ MT_BENCH_FILES = {
         "drafter": "qd4:model", "mean_accepted_pooled": 2.0,
         "per_category": {"turn1/writing": {"points": 8, "accepted_total": 24, "mean_accepted": 3.0},
                          "turn2/writing": {"points": 8, "accepted_total": 8, "mean_accepted": 1.0}},
-        "hybrid_rule": measure_rules(MT_POINTS)},
+        "hybrid_rule": measure_rules(MT_POINTS),
+        "per_point": [{"category": point.category, "lookup_accepted": point.lookup} for point in MT_POINTS]},
 }
 
 STUB_FILES = {  # what the stubbed stages would write, with the fields the summary reads
@@ -237,7 +238,8 @@ def test_with_mt_bench_the_demo_evaluates_both_turns_and_summarises_them(tmp_pat
     text = (run / "demo_summary.md").read_text()
     section = text[text.index("## MT-bench, both turns"):text.index("## Speed in")]
     assert "16 points from 8 prompts" in section
-    assert "The trained draft over every point: 2.00 accepted of 16, turn 1 3.00, turn 2 1.00." in section
+    assert ("The trained draft over every point: 2.00 accepted of 16, turn 1 3.00, turn 2 1.00. Prompt lookup over "
+            "every point: 5.00, turn 1 0.00, turn 2 10.00.") in section
     assert "**lookup where its match >= 1**" in section and "On the other 8 points" in section
     assert "| turn 1 | 4 | 3.00 | 0.00 | 3.00 | 3.00 |" in section
     assert "| turn 2 | 4 | 1.00 | 10.00 | 10.00 | 10.00 |" in section

@@ -250,7 +250,19 @@ def mt_bench_summary(run: Run, status: dict[str, Any]) -> dict[str, Any]:
             "categories": points.get("categories") or {}, "drafter": report.get("drafter"),
             "mean_accepted_pooled": report.get("mean_accepted_pooled"),
             "per_category": report.get("per_category"), "per_context_length": report.get("per_context_length"),
+            "lookup_per_category": lookup_per_category(report.get("per_point") or []),
             "hybrid_rule": rule_summary(report.get("hybrid_rule"))}
+
+
+def lookup_per_category(per_point: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Prompt lookup's accepted tokens per category over every point, from what eval scored at each point beside
+    the draft (``lookup_accepted``)."""
+    out: dict[str, dict[str, int]] = {}
+    for point in per_point:
+        cell = out.setdefault(point["category"], {"points": 0, "accepted_total": 0})
+        cell["points"] += 1
+        cell["accepted_total"] += point["lookup_accepted"]
+    return out
 
 
 def collect_summary(run: Run, status: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -362,11 +362,18 @@ def mt_bench_lines(section: dict | None) -> list[str]:
         return lines + [f"Not measured in this run: {why.get('why')}. {why.get('how')}"]
     categories = section.get("categories") or {}
     draft_turns = _turn_rows({c: {"draft": r} for c, r in (section.get("per_category") or {}).items()}, categories)
+    lookup = section.get("lookup_per_category") or {}
+    lookup_turns = _turn_rows({c: {"lookup": cell} for c, cell in lookup.items()}, categories)
+    lookup_all = {"points": sum(c["points"] for c in lookup.values()),
+                  "accepted_total": sum(c["accepted_total"] for c in lookup.values())}
     lines.append(f"{section['points']} points from {section['prompts']} prompts: the first turns, and the second "
                  "turns asked after the target's own greedy first answer (`mt_bench/`; "
                  "`eval_mt_bench/trained/report.md`). The trained draft over every point: "
                  f"{_fmt(section.get('mean_accepted_pooled'), 2)} accepted of 16"
-                 + "".join(f", turn {t} {_mean(cells['draft'])}" for t, cells in draft_turns.items()) + ".")
+                 + "".join(f", turn {t} {_mean(cells['draft'])}" for t, cells in draft_turns.items()) + "."
+                 + (f" Prompt lookup over every point: {_mean(lookup_all)}"
+                    + "".join(f", turn {t} {_mean(cells['lookup'])}" for t, cells in lookup_turns.items()) + "."
+                    if lookup else ""))
     rule = section.get("hybrid_rule")
     lines += hybrid_rule_lines(rule, "MT-bench")
     reported = (rule or {}).get("reported")
