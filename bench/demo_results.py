@@ -30,8 +30,26 @@ def budget_row(summary: dict, wall_with_install: float | None) -> dict:
                                         for t in sorted({t for row in acc.values() for t in row.get("at_temperature")
                                                          or {}}, key=float) if float(t) > 0},
             "speedup_torch": {name: round(row["speedup_median"], 2) for name, row in spec.items()},
+            "mt_bench": mt_bench_row(summary.get("mt_bench")),
             "compute": {where: {k: v for k, v in c.items() if k != "prefill" or c["compute"] == "int4"}
                         for where, c in (summary.get("compute") or {}).items()}}
+
+
+def mt_bench_row(section: dict | None) -> dict | None:
+    """MT-bench's both turns over every point: the trained draft's and prompt lookup's mean accepted, overall and per
+    turn (None where the run had no MT-bench, or recorded no lookup beside the draft)."""
+    if not section or section.get("unavailable") or not section.get("lookup_per_category"):
+        return None
+    row: dict = {"points": section["points"]}
+    for name, cells in (("trained", section["per_category"]), ("lookup", section["lookup_per_category"])):
+        totals: dict[str, list[int]] = {}
+        for category, cell in cells.items():
+            for key in ("all", f"turn{section['categories'][category]['turn']}"):
+                total = totals.setdefault(key, [0, 0])
+                total[0] += cell["points"]
+                total[1] += cell["accepted_total"]
+        row[name] = {key: round(accepted / points, 2) for key, (points, accepted) in sorted(totals.items())}
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
