@@ -161,6 +161,18 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
                      f"{auto['compute']}" + (f" ({auto['prefill']} prefill)" if auto["compute"] == "int4" else "")
                      + "; " + " / ".join(x(v) for v in fig["auto_vs_fastest_explicit"].values()),
                      f"{machine(result)}, {result['date']}", path.name))
+    for path in sorted(RESULTS.glob("mt_bench_*.json")):
+        result = json.loads(path.read_text())
+        fig = result["figures"]
+        draft, lookup = fig["draft"], fig["lookup"]
+        reported = fig["hybrid_rule"]["reported"]["overall"]
+        rows.append((f"`{fig['model_dir']}` on every MT-bench question ({fig['points']} points), accepted of 16: "
+                     "trained / lookup, turn 1; turn 2; on the half the hybrid's rule was not chosen on, hybrid / "
+                     "trained / lookup", f"{draft['turn1']['mean']:.2f} / {lookup['turn1']['mean']:.2f}; "
+                     f"{draft['turn2']['mean']:.2f} / {lookup['turn2']['mean']:.2f}; "
+                     + " / ".join(f"{reported[k]['mean_accepted']:.2f}" for k in ("chosen", "draft_only",
+                                                                                  "lookup_alone")),
+                     f"{machine(result)}, {result['date']}", path.name))
     for path in sorted(RESULTS.glob("engine_choice.*.json")):
         result = json.loads(path.read_text())
         fig = result["figures"]
@@ -392,11 +404,39 @@ def multiturn_tables() -> str:
     return "\n".join(out).rstrip() if out else "(no training-data results yet: `bench/bench_multiturn_data.py`)"
 
 
+def _rule_words(chosen: dict[str, Any]) -> str:
+    threshold, own = chosen["min_match"], chosen.get("per_category") or {}
+    return (("the draft everywhere" if threshold is None else f"lookup where its match >= {threshold}")
+            + (f", {len(own)} categories a threshold of their own" if own else ""))
+
+
+def mt_bench_tables() -> str:
+    """Per MT-bench result: the draft and lookup over every point per turn and category, the hybrid's rule and what
+    it accepts on the prompts it was not chosen on."""
+    out: list[str] = []
+    for path in sorted(RESULTS.glob("mt_bench_*.json")):
+        result = json.loads(path.read_text())
+        fig = result["figures"]
+        rule, reported = fig["hybrid_rule"], fig["hybrid_rule"]["reported"]["overall"]
+        out += [f"{machine(result)}, {result['date']}, `{result['command']}` "
+                f"([{path.name}](bench/results/{path.name})): `{fig['model_dir']}` on {fig['questions']} questions, "
+                f"{fig['points']} points. The hybrid's rule, "
+                f"chosen on {rule['split']['calibration']['points']} points: {_rule_words(rule['chosen'])}; on the "
+                f"other {rule['split']['reported']['points']}: draft "
+                f"{reported['draft_only']['mean_accepted']:.2f}, lookup {reported['lookup_alone']['mean_accepted']:.2f}"
+                f", hybrid {reported['chosen']['mean_accepted']:.2f}.", "",
+                "| prompts | points | trained draft | prompt lookup |", "|---|---:|---:|---:|"]
+        out += [f"| {name} | {cell['points']} | {cell['mean']:.2f} | {fig['lookup'][name]['mean']:.2f} |"
+                for name, cell in fig["draft"].items()]
+        out.append("")
+    return "\n".join(out).rstrip() if out else "(no MT-bench results yet: `bench/bench_mt_bench.py`)"
+
+
 BLOCKS: dict[Path, dict[str, Callable[[], str]]] = {
     ROOT / "README.md": {"demo-time": readme_demo_time, "results": readme_results},
     ROOT / "BENCHMARKS.md": {"summary": benchmarks_summary, "compute": compute_tables,
                              "trace-backends": trace_backend_tables, "server-loop": server_loop_tables,
-                             "multiturn-data": multiturn_tables},
+                             "multiturn-data": multiturn_tables, "mt-bench": mt_bench_tables},
 }
 
 
