@@ -240,6 +240,8 @@ def test_with_mt_bench_the_demo_evaluates_both_turns_and_summarises_them(tmp_pat
     assert "16 points from 8 prompts" in section
     assert ("The trained draft over every point: 2.00 accepted of 16, turn 1 3.00, turn 2 1.00. Prompt lookup over "
             "every point: 5.00, turn 1 0.00, turn 2 10.00.") in section
+    assert ("On MT-bench (never trained on), over every point, the trained draft accepts more than prompt lookup on "
+            "turn 1 (3.00 against 0.00), and less than prompt lookup on turn 2 (1.00 against 10.00).") in text
     assert "**lookup where its match >= 1**" in section and "On the other 8 points" in section
     assert "| turn 1 | 4 | 3.00 | 0.00 | 3.00 | 3.00 |" in section
     assert "| turn 2 | 4 | 1.00 | 10.00 | 10.00 | 10.00 |" in section

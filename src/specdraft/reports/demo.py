@@ -177,12 +177,32 @@ def verdict(summary: dict) -> list[str]:
         lines.append(f"Training moved the draft from {init:.2f} to {trained:.2f} accepted tokens of 16 "
                      f"({trained - init:+.2f}); prompt lookup accepts {lookup:.2f}." if lookup is not None else
                      f"Training moved the draft from {init:.2f} to {trained:.2f} accepted tokens of 16.")
+    lines += _mt_bench_finding(summary.get("mt_bench"))
     for spec in (summary.get("speculate"), summary.get("speculate_llama_cpp")):
         if spec and spec.get("drafters"):
             lines += _speed_findings(spec) + _trained_against_lookup(spec) + _trained_draft_costs(spec)
             if spec["engine"] == "llama.cpp":
                 lines += _llama_cpp_findings(spec)
     return lines
+
+
+def _mt_bench_finding(section: dict | None) -> list[str]:
+    """The trained draft against prompt lookup on MT-bench, per turn, over every point (none without lookup's)."""
+    if not section or not section.get("lookup_per_category"):
+        return []
+    categories = section.get("categories") or {}
+    turns = _turn_rows({c: {"draft": cell, "lookup": section["lookup_per_category"].get(c, {"points": 0,
+                                                                                              "accepted_total": 0})}
+                        for c, cell in (section.get("per_category") or {}).items()}, categories)
+    said = []
+    for turn, cells in turns.items():
+        draft, lookup = (cells[k]["accepted_total"] / cells[k]["points"] if cells[k]["points"] else 0.0
+                         for k in ("draft", "lookup"))
+        side = "more than" if draft > lookup else "as much as" if draft == lookup else "less than"
+        said.append(f"{side} prompt lookup on turn {turn} ({draft:.2f} against {lookup:.2f})")
+    if not said:
+        return []
+    return [f"On MT-bench (never trained on), over every point, the trained draft accepts {', and '.join(said)}."]
 
 
 def _speed_table(spec: dict) -> list[str]:
