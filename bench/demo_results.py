@@ -17,6 +17,7 @@ from harness import argument_parser, command, machine_record, result_path
 from specdraft.core.io import atomic_write_json, read_json
 from specdraft.demo import BUDGETS
 from specdraft.demo.plan import REFERENCE_PATH, stage_units
+from specdraft.reports.demo import mt_bench_turns
 
 
 def budget_row(summary: dict, wall_with_install: float | None) -> dict:
@@ -41,14 +42,12 @@ def mt_bench_row(section: dict | None) -> dict | None:
     if not section or section.get("unavailable") or not section.get("lookup_per_category"):
         return None
     row: dict = {"points": section["points"]}
-    for name, cells in (("trained", section["per_category"]), ("lookup", section["lookup_per_category"])):
-        totals: dict[str, list[int]] = {}
-        for category, cell in cells.items():
-            for key in ("all", f"turn{section['categories'][category]['turn']}"):
-                total = totals.setdefault(key, [0, 0])
-                total[0] += cell["points"]
-                total[1] += cell["accepted_total"]
-        row[name] = {key: round(accepted / points, 2) for key, (points, accepted) in sorted(totals.items())}
+    turns = mt_bench_turns(section)
+    for name, column in (("trained", "draft"), ("lookup", "lookup")):
+        cells = {f"turn{turn}": columns[column] for turn, columns in turns.items()}
+        cells["all"] = {"points": sum(c["points"] for c in cells.values()),
+                        "accepted_total": sum(c["accepted_total"] for c in cells.values())}
+        row[name] = {key: round(c["accepted_total"] / c["points"], 2) for key, c in sorted(cells.items())}
     return row
 
 

@@ -186,16 +186,22 @@ def verdict(summary: dict) -> list[str]:
     return lines
 
 
+def mt_bench_turns(section: dict) -> dict[int, dict[str, dict]]:
+    """Per turn, over every MT-bench point: the trained draft's points and accepted tokens (``draft``) and, where the
+    run recorded them, prompt lookup's (``lookup``)."""
+    lookup = section.get("lookup_per_category") or {}
+    return _turn_rows({c: {"draft": cell, **({"lookup": lookup[c]} if c in lookup else {})}
+                       for c, cell in (section.get("per_category") or {}).items()}, section.get("categories") or {})
+
+
 def _mt_bench_finding(section: dict | None) -> list[str]:
     """The trained draft against prompt lookup on MT-bench, per turn, over every point (none without lookup's)."""
     if not section or not section.get("lookup_per_category"):
         return []
-    categories = section.get("categories") or {}
-    turns = _turn_rows({c: {"draft": cell, "lookup": section["lookup_per_category"].get(c, {"points": 0,
-                                                                                              "accepted_total": 0})}
-                        for c, cell in (section.get("per_category") or {}).items()}, categories)
     said = []
-    for turn, cells in turns.items():
+    for turn, cells in mt_bench_turns(section).items():
+        if "lookup" not in cells:
+            continue
         draft, lookup = (cells[k]["accepted_total"] / cells[k]["points"] if cells[k]["points"] else 0.0
                          for k in ("draft", "lookup"))
         side = "more than" if draft > lookup else "as much as" if draft == lookup else "less than"
@@ -381,18 +387,18 @@ def mt_bench_lines(section: dict | None) -> list[str]:
         why = section["unavailable"] or {}
         return lines + [f"Not measured in this run: {why.get('why')}. {why.get('how')}"]
     categories = section.get("categories") or {}
-    draft_turns = _turn_rows({c: {"draft": r} for c, r in (section.get("per_category") or {}).items()}, categories)
+    turns = mt_bench_turns(section)
     lookup = section.get("lookup_per_category") or {}
-    lookup_turns = _turn_rows({c: {"lookup": cell} for c, cell in lookup.items()}, categories)
     lookup_all = {"points": sum(c["points"] for c in lookup.values()),
                   "accepted_total": sum(c["accepted_total"] for c in lookup.values())}
     lines.append(f"{section['points']} points from {section['prompts']} prompts: the first turns, and the second "
                  "turns asked after the target's own greedy first answer (`mt_bench/`; "
                  "`eval_mt_bench/trained/report.md`). The trained draft over every point: "
                  f"{_fmt(section.get('mean_accepted_pooled'), 2)} accepted of 16"
-                 + "".join(f", turn {t} {_mean(cells['draft'])}" for t, cells in draft_turns.items()) + "."
+                 + "".join(f", turn {t} {_mean(cells['draft'])}" for t, cells in turns.items()) + "."
                  + (f" Prompt lookup over every point: {_mean(lookup_all)}"
-                    + "".join(f", turn {t} {_mean(cells['lookup'])}" for t, cells in lookup_turns.items()) + "."
+                    + "".join(f", turn {t} {_mean(cells['lookup'])}" for t, cells in turns.items() if "lookup" in cells)
+                    + "."
                     if lookup else ""))
     rule = section.get("hybrid_rule")
     lines += hybrid_rule_lines(rule, "MT-bench")
