@@ -267,6 +267,7 @@ FSDP_PROBE = textwrap.dedent('''
         json.dump({"units": len(units), "layer_class": layer_class, "local_shape": local,
                    "full_shape": tuple(weight.shape), "mean_loss": sum(losses) / world,
                    "reference_loss": reference_loss, "max_weight_diff": worst}, open(out, "w"))
+    dist.barrier()  # a rank that tears gloo down while its peer still works can abort it (seen under load)
     dist.destroy_process_group()
 ''')
 
