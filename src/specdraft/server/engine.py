@@ -329,13 +329,13 @@ def load_llamacpp_engine(model_dir: str | os.PathLike, gguf: str | os.PathLike, 
 
 
 def engine_hint() -> str | None:
-    """What to tell a user serving through torch on a CPU where llama.cpp decodes the draft faster (torch without
-    AVX-512 or AMX, llama-cpp-python installed); None elsewhere."""
+    """What to tell a user serving through torch on a CPU class where llama.cpp has served a speculation loop cheaper
+    (AVX2 and AVX-512 without AMX, llama-cpp-python installed); None elsewhere. AMX is left out: not measured."""
     cpu = cpu_features()
     # find_spec, not an import: loading llama.cpp's libraries into a torch server is not this hint's to do
-    if cpu["capability"] not in ("AVX2", "DEFAULT") or cpu["amx"] or importlib.util.find_spec("llama_cpp") is None:
+    if cpu["amx"] or importlib.util.find_spec("llama_cpp") is None:
         return None
-    return (f"this CPU runs torch's kernels at {cpu['capability']} (no AVX-512, no AMX), where llama.cpp decodes a "
-            "4-bit draft several times faster: give the server the draft's GGUF export (--gguf FILE, from `specdraft "
-            "export MODEL_DIR --format gguf`) and --engine auto times both engines on a speculation loop and serves "
-            "the cheaper (docs/stages/serve.md#the-llamacpp-engine)")
+    return (f"this CPU runs torch's kernels at {cpu['capability']} without AMX, a class where llama.cpp has served a "
+            "speculation loop with less time per token than torch: give the server the draft's GGUF export (--gguf "
+            "FILE, from `specdraft export MODEL_DIR --format gguf`) and --engine auto times both engines on a "
+            "speculation loop and serves the cheaper (docs/stages/serve.md#the-llamacpp-engine)")
