@@ -6,16 +6,19 @@
 In process (1 thread, the server's default on 2 cores): ``load_engine`` with each format, then per context length the
 median of ``--repeats`` timings of ``draft([context], 1)`` (the prefill and the first token) and of
 ``draft([context], 17)``; a decode step is their difference over 16. Over HTTP: `specdraft serve --compute X` per
-format (and with its default, auto), one request at a time, the median answer time per context length. The result
+format (and with its default, auto), one request at a time, the median answer time per context length; every request
+is a context the server has not seen (its prefix cache would answer a repeated one from a hit). The result
 goes to ``bench/results/compute.<cpu class>.json``; BENCHMARKS.md's table per CPU class is read from it.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +63,9 @@ def in_process(model_dir: Path, flags: list[str], ctx: dict[int, list[int]], rep
 
 
 def served(model_dir: Path, flags: list[str], ctx: dict[int, list[int]], repeats: int, work: Path,
-           serve_args: list[str]) -> dict[str, Any]:
-    """Median seconds of one 16-token ``/draft`` answer per context length, one request at a time."""
+           serve_args: list[str], vocab: int) -> dict[str, Any]:
+    """Median seconds of one 16-token ``/draft`` answer per context length, one request at a time, each request a
+    context the server has not seen."""
     name = "_".join(flags[1::2]) or "auto"
     with ServerProcess(model_dir, work / f"serve_{name}.log", [*flags, *serve_args]) as server:
         ok, detail = server.wait_ready(600)
@@ -72,11 +76,28 @@ def served(model_dir: Path, flags: list[str], ctx: dict[int, list[int]], repeats
             out: dict[str, Any] = {"compute": health.get("compute"),
                                    "prefill": (health.get("compute_choice") or {}).get("prefill")}
             for n, c in ctx.items():
+                fresh = unseen_contexts(c, vocab)
+
                 def answer() -> None:
-                    r = http.post("/draft", json={"token_ids": c, "num_tokens": 16})
+                    r = http.post("/draft", json={"token_ids": next(fresh), "num_tokens": 16})
                     r.raise_for_status()
                 out[f"answer_{n}_s"] = round(median(timed(answer, repeats)), 4)
+            # the prefix cache would turn a repeated context into a hit: each request is new, so none reused a token
+            out["context_tokens_reused"] = reused_tokens(http.get("/metrics").text)
+            if out["context_tokens_reused"]:
+                raise RuntimeError(f"{flags}: the server reused {out['context_tokens_reused']} cached context tokens")
     return out
+
+
+def unseen_contexts(context: list[int], vocab: int) -> Iterator[list[int]]:
+    """The same context with a different first token at each call: as long, but no block of it cached before."""
+    for shift in itertools.count(1):
+        yield [(context[0] + shift) % vocab, *context[1:]]
+
+
+def reused_tokens(metrics_text: str) -> float:
+    return sum(float(line.split()[-1]) for line in metrics_text.splitlines()
+               if line.startswith("specdraft_context_tokens_reused"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s: in process", name)
         rows[name] = {"in_process": in_process(args.model_dir, flags, ctx, args.repeats)}
         log.info("%s: over HTTP", name)
-        rows[name]["served"] = served(args.model_dir, flags, ctx, args.repeats, args.work, shlex.split(args.serve_args))
+        rows[name]["served"] = served(args.model_dir, flags, ctx, args.repeats, args.work, shlex.split(args.serve_args),
+                                   vocab)
         log.info("%s: %s", name, rows[name])
     explicit = [r["served"] for n, r in rows.items() if n != "auto (default)"]
     figures: dict[str, Any] = {"model_dir": str(args.model_dir), "repeats": args.repeats, "formats": rows}

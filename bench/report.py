@@ -27,10 +27,17 @@ def load(name: str) -> dict[str, Any]:
     return json.loads((RESULTS / f"{name}.json").read_text(encoding="utf-8"))
 
 
-def machine(result: dict[str, Any]) -> str:
+def machine(result: dict[str, Any], cores: bool = True) -> str:
     m = result["machine"]
-    return (f"{m['cpu']} family {m['cpu_family']} model {m['cpu_model']} ({CLASS_NAMES.get(m['cpu_class'])}"
-            + (", AVX2 emulated" if m.get("avx2_emulation") else "") + f"), {m['cpus']} cores")
+    emulated = m.get("avx2_emulation")
+    return (f"{m['cpu']} family {m['cpu_family']} model {m['cpu_model']} "
+            f"({CLASS_NAMES.get(m['cpu_class_native'] if emulated else m['cpu_class'])}"
+            + (", AVX2 emulated" if emulated else "") + ")" + (f", {m['cpus']} cores" if cores else ""))
+
+
+def where(result: dict[str, Any], date: str) -> str:
+    """A summary row's machine and date (the cores are the same everywhere: the table of machines above)."""
+    return f"{machine(result, cores=False)}, {date}"
 
 
 def x(value: float) -> str:
@@ -48,7 +55,6 @@ def readme_results() -> str:
     """README's results table: acceptance per budget, speed per engine with its baseline, the demo's wall time."""
     fast, avx2 = load("demo.avx512-bf16"), load("demo.avx2")
     llama, peers = load("llamacpp_speed.avx512-bf16"), load("server_peers.avx512-bf16")
-    loop = load("server_loop_demo.avx2")["figures"]["levels"]
     b = fast["figures"]["budgets"]
     small2 = avx2["figures"]["budgets"]["small"]
     rows = [("trained draft (24 of the target's 30 layers, 4-bit pack)", "trained"),
@@ -81,12 +87,13 @@ def readme_results() -> str:
               f"{x(best['speedup'])} / {x(trained['speedup'])} |",
               f"| `specdraft serve` against `llama-server`, the same draft, 4 clients: answered/s | "
               f"{x(clients['ratio'])} |",
-              *_readme_loop_rows(loop),
+              *_readme_loop_rows(),
               f"| `make demo` (small), the install included: AVX-512 + bf16 / AVX2-only EPYC | "
               f"{minutes(b['small']['wall_seconds'])} / {minutes(small2['wall_seconds'])} |",
               "",
-              f"Measured on an {machine(fast)} ({b['default']['date']} to {b['full']['date']}); `small` and the AVX2 "
-              f"figures on an {machine(avx2)} ({small2['date']}). Acceptance is on the packaged held-out set: "
+              f"Measured on an {machine(fast)} ({b['default']['date']} to {max(r['date'] for r in b.values())}); "
+              f"`small` and the AVX2 figures on an {machine(avx2)} ({small2['date']}). Acceptance is on the packaged "
+              "held-out set: "
               f"{small2['eval_points']}, {b['default']['eval_points']} and {b['full']['eval_points']} points."]
     return "\n".join(lines)
 
@@ -103,19 +110,25 @@ def _per_turn(per_category: dict[str, dict[str, Any]]) -> dict[str, dict[str, fl
             for turn, columns in totals.items()}
 
 
-def _readme_loop_rows(loop: list[dict[str, Any]]) -> list[str]:
-    """The loop rows: each engine's server time per generated token against llama-server's, and what auto picks."""
-    loops = " / ".join(str(lv["loops"]) for lv in loop)
-    picks = load("engine_choice.avx2")["figures"]["picks"]
-    llama = "llama.cpp engine" + (" (what `--engine auto` picks there, given `--gguf`)" if set(picks) == {"llama.cpp"}
-                                  else "")
-    labels = {"reuse": f"`specdraft serve` in a speculation loop on an AVX2-only EPYC, time per generated token "
-                       f"against `llama-server` with its prompt cache (below 1: cheaper), {loops} loop(s): "
-                       "torch engine",
+def _readme_loop_rows() -> list[str]:
+    """The loop rows: each engine's server time per generated token against llama-server's, per CPU class measured,
+    and what auto picks."""
+    classes = [(cls, name) for cls, name in (("avx2", "an AVX2-only EPYC"), ("avx512-bf16", "an AVX-512 + bf16 EPYC"))
+               if (RESULTS / f"server_loop_demo.{cls}.json").is_file()]
+    levels = {cls: load(f"server_loop_demo.{cls}")["figures"]["levels"] for cls, _ in classes}
+    loops = " / ".join(str(lv["loops"]) for lv in levels[classes[0][0]])
+    picks = {cls: set(load(f"engine_choice.{cls}")["figures"]["picks"]) for cls, _ in classes
+             if (RESULTS / f"engine_choice.{cls}.json").is_file()}
+    llama = "llama.cpp engine" + (" (what `--engine auto` picks on each, given `--gguf`)"
+                                  if picks and all(p == {"llama.cpp"} for p in picks.values()) else "")
+    labels = {"reuse": f"`specdraft serve` in a speculation loop, time per generated token against `llama-server` with "
+                       f"its prompt cache (below 1: cheaper), {loops} loop(s), on "
+                       + "; on ".join(name for _, name in classes) + ": torch engine",
               "llama_engine": f"the same, {llama}",
               f"llama_engine_stop_{LOOP_STOP}": f"the same, llama.cpp engine, drafts that stop below confidence "
                                                 f"{LOOP_STOP} (`stop_confidence`)"}
-    return [f"| {label} | " + " / ".join(x(_loop_ratio(lv, name, "llama_server")) for lv in loop) + " |"
+    return [f"| {label} | " + "; ".join(" / ".join(x(_loop_ratio(lv, name, "llama_server")) for lv in levels[cls])
+                                        for cls, _ in classes) + " |"
             for name, label in labels.items()]
 
 
@@ -139,45 +152,48 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
             rows.append((f"`make demo BUDGET={budget}`: wall time" + (" with the install" if r["wall_includes_install"]
                                                                       else ""),
                          minutes(r["wall_seconds"]) + (f" ({r['wall_note']})" if r.get("wall_note") else ""),
-                         f"{machine(result)}, {r['date']}", path.name))
+                         where(result, r['date']), path.name))
             rows.append((f"`{budget}`: accepted of 16, trained / behind lookup / lookup / self-draft / untrained "
                          f"({r['eval_points']} points of {r['eval_set']})",
                          " / ".join(f"{acc[k]:.2f}" for k in ("trained", "trained_lookup", "lookup", "self", "init")),
-                         f"{machine(result)}, {r['date']}", path.name))
+                         where(result, r['date']), path.name))
+            if result["machine"].get("avx2_emulation"):  # a check that the emulation holds: the rest is the class's
+                continue
             if r.get("mt_bench"):
                 mt = r["mt_bench"]
                 rows.append((f"`{budget}`: MT-bench both turns ({mt['points']} points, never trained on), accepted of "
                              "16, trained / lookup (turn 1; turn 2)",
                              "; ".join(f"{mt['trained'][t]:.2f} / {mt['lookup'][t]:.2f}" for t in ("turn1", "turn2")),
-                             f"{machine(result)}, {r['date']}", path.name))
+                             where(result, r['date']), path.name))
             if r.get("accepted_at_temperature"):
                 rows.append((f"`{budget}`: expected accepted under sampling, trained / lookup (T 0.7; T 1.0)",
                              "; ".join(f"{t['trained']:.2f} / {t['lookup']:.2f}"
                                        for t in r["accepted_at_temperature"].values()),
-                             f"{machine(result)}, {r['date']}", path.name))
+                             where(result, r['date']), path.name))
             rows.append((f"`{budget}`: speed-up in specdraft's engine against its float32 greedy, self-draft / "
                          "trained / lookup", " / ".join(x(speed[k]) for k in ("self", "draft", "lookup")),
-                         f"{machine(result)}, {r['date']}", path.name))
+                         where(result, r['date']), path.name))
     llama = load("llamacpp_speed.avx512-bf16")
     for r in llama["figures"]["drafters"]:
         rows.append((f"llama.cpp, {r['label']}, against llama.cpp's plain decoding (best k = {r['best_k']})",
                      f"{x(r['speedup'])} ({r['range'][0]:.2f}–{r['range'][1]:.2f}×), predicted {x(r['predicted'])}",
-                     f"{machine(llama)}, {llama['date']}", "llamacpp_speed.avx512-bf16.json"))
+                     where(llama, llama['date']), "llamacpp_speed.avx512-bf16.json"))
     peers = load("server_peers.avx512-bf16")
-    for n, c in peers["figures"]["clients"].items():
-        rows.append((f"`specdraft serve` / `llama-server` answered/s, {n} client(s), p99 ours / theirs",
-                     f"{x(c['ratio'])} ({c['specdraft_answered_per_s']} / {c['llama_server_answered_per_s']}), "
-                     f"{c['p99_s'][0]} s / {c['p99_s'][1]} s", f"{machine(peers)}, {peers['date']}",
-                     "server_peers.avx512-bf16.json"))
+    clients = peers["figures"]["clients"]
+    rows.append((f"`specdraft serve` / `llama-server` answered/s (ours / theirs; p99 ours / theirs), "
+                 f"{' / '.join(clients)} clients",
+                 "; ".join(f"{x(c['ratio'])} ({c['specdraft_answered_per_s']} / {c['llama_server_answered_per_s']}; "
+                           f"{c['p99_s'][0]} s / {c['p99_s'][1]} s)" for c in clients.values()),
+                 where(peers, peers['date']), "server_peers.avx512-bf16.json"))
     for path in sorted(RESULTS.glob("compute.*.json")):
         result = json.loads(path.read_text())
         fig = result["figures"]
         auto = fig["formats"]["auto (default)"]["served"]
-        rows.append(("`specdraft serve --compute auto`: what it picks; its `/draft` answer against the fastest "
-                     "explicit format at 64 / 256 / 1,024 tokens",
+        rows.append(("`specdraft serve --compute auto`: its pick; its `/draft` answer against the fastest explicit "
+                     "format's, 64 / 256 / 1,024 tokens",
                      f"{auto['compute']}" + (f" ({auto['prefill']} prefill)" if auto["compute"] == "int4" else "")
                      + "; " + " / ".join(x(v) for v in fig["auto_vs_fastest_explicit"].values()),
-                     f"{machine(result)}, {result['date']}", path.name))
+                     where(result, result['date']), path.name))
     for path in sorted(RESULTS.glob("mt_bench_*.json")):
         result = json.loads(path.read_text())
         fig = result["figures"]
@@ -189,14 +205,14 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
                      f"{draft['turn2']['mean']:.2f} / {lookup['turn2']['mean']:.2f}; "
                      + " / ".join(f"{reported[k]['mean_accepted']:.2f}" for k in ("chosen", "draft_only",
                                                                                   "lookup_alone")),
-                     f"{machine(result)}, {result['date']}", path.name))
+                     where(result, result['date']), path.name))
     for path in sorted(RESULTS.glob("engine_choice.*.json")):
         result = json.loads(path.read_text())
         fig = result["figures"]
         picks = ", ".join(f"{name} {n} of {fig['repeats']}" for name, n in fig["picks"].items())
         rows.append(("`specdraft serve --gguf` (`--engine auto`): what it picks, and its replayed loop's cost, torch "
                      "against llama.cpp", f"{picks}; {x(fig['torch_loop_vs_llama_cpp'])}",
-                     f"{machine(result)}, {result['date']}", path.name))
+                     where(result, result['date']), path.name))
     for path in sorted(RESULTS.glob("trace_backends.*.json")):
         result = json.loads(path.read_text())
         fig = result["figures"]
@@ -206,7 +222,7 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
         rows.append((f"`specdraft traces --backend llama.cpp` against `--backend hf`: tokens per CPU-second at "
                      f"{threads} thread(s); prompts whose {fig['max_new_tokens']} greedy tokens are the torch "
                      "target's", f"{ratios}; {agree['identical_prompts']} of {agree['prompts']}",
-                     f"{machine(result)}, {result['date']}", path.name))
+                     where(result, result['date']), path.name))
     for path in sorted(RESULTS.glob("multiturn_data.*.json")):
         result = json.loads(path.read_text())
         variants = result["figures"]["variants"]
@@ -214,7 +230,7 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
         rows.append((f"training rows of other kinds (`specdraft conversations`), small recipe: MT-bench turn 2 "
                      f"accepted of 16, {' / '.join(turn2)} / prompt lookup",
                      " / ".join(f"{r['draft']:.2f}" for r in turn2.values())
-                     + f" / {next(iter(turn2.values()))['lookup']:.2f}", f"{machine(result)}, {result['date']}",
+                     + f" / {next(iter(turn2.values()))['lookup']:.2f}", where(result, result['date']),
                      path.name))
     for path in sorted(RESULTS.glob("server_loop*.json")):
         result = json.loads(path.read_text())
@@ -222,23 +238,29 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
         levels = fig["levels"]
         base, compared = _loop_settings(fig)
         if levels[-1]["loops"] >= SOAK_LOOPS:  # a soak: many loops within a cache budget, each setting's memory
-            for name in [base] + compared:
-                r = levels[-1][name]
-                rows.append((f"`specdraft serve` soak, {levels[-1]['loops']} speculation loops ({_loop_draft(fig)}, "
-                             f"{_loop_prompts(fig)}), {_loop_setting_label(name)}: prefix cache peak / budget; server "
-                             "peak RSS; 503s waited out",
-                             f"{r['cache_peak_mb']:.1f} / {r['cache_budget_mb']:.0f} MB; {r['rss_mb_peak']:.0f} MB; "
-                             f"{r.get('refused_503', 0)}", f"{machine(result)}, {result['date']}", path.name))
+            last = levels[-1]
+            rows.append((f"`specdraft serve` soak, {last['loops']} speculation loops ({_loop_draft(fig)}, "
+                         f"{_loop_prompts(fig)}): prefix cache peak / budget, server peak RSS, 503s waited out",
+                         "; ".join(f"{_loop_setting_label(name)}: {last[name]['cache_peak_mb']:.1f} / "
+                                   f"{last[name]['cache_budget_mb']:.0f} MB, {last[name]['rss_mb_peak']:.0f} MB, "
+                                   f"{last[name].get('refused_503', 0)}" for name in [base] + compared),
+                         where(result, result['date']), path.name))
             continue
-        pairs = [(name, _row_base(name, compared, base)) for name in compared]
-        if "llama_server" in compared:  # the llama.cpp engine against its peer on the same file
-            pairs += [(name, "llama_server") for name in compared if name.startswith("llama_engine_stop_")]
-        for name, against in pairs:
-            rows.append((f"`specdraft serve` in a speculation loop ({_loop_draft(fig)}, {_loop_prompts(fig)}): "
-                         f"server time per generated token, {_loop_setting_label(name)} / "
-                         f"{_loop_setting_label(against)}, " + " / ".join(f"{lv['loops']}" for lv in levels)
-                         + " loop(s)", " / ".join(x(_loop_ratio(lv, name, against)) for lv in levels),
-                         f"{machine(result)}, {result['date']}", path.name))
+        # one row per result: what each engine costs against llama-server's (or the baseline's) prompt cache, and
+        # what reuse saves; BENCHMARKS.md's loop tables hold every setting
+        peer = "llama_server" if "llama_server" in compared else base
+        against_peer = [n for n in [base] + compared if n != peer and not n.endswith("no_reuse")]
+        without = [(n, b) for n in compared if n.endswith("no_reuse")
+                   for b in ["llama_engine" if n.startswith("llama_engine") else base] if b in [base] + compared]
+        loops = " / ".join(f"{lv['loops']}" for lv in levels)
+        figure = (f"against {_loop_setting_label(peer)}: "
+                  + ", ".join(f"{_loop_short_label(n)} " + " / ".join(x(_loop_ratio(lv, n, peer)) for lv in levels)
+                              for n in against_peer)
+                  + "".join(f"; {_loop_short_label(n.removesuffix('_no_reuse') or base)}, without reuse against "
+                            "with: " + " / ".join(x(_loop_ratio(lv, n, b)) for lv in levels) for n, b in without))
+        rows.append((f"`specdraft serve` in a speculation loop ({_loop_draft(fig)}, {_loop_prompts(fig)}): server "
+                     f"time per generated token, {loops} loop(s) (below 1: cheaper)", figure,
+                     where(result, result['date']), path.name))
     return rows
 
 
@@ -265,12 +287,6 @@ def _loop_settings(fig: dict[str, Any]) -> tuple[str, list[str]]:
     return base, [k for k in settings if k != base]
 
 
-def _row_base(name: str, compared: list[str], base: str) -> str:
-    """What a summary row sets a loop setting against: the llama.cpp engine's variants against its own reuse, where
-    that ran; everything else against the result's baseline."""
-    return "llama_engine" if name.startswith("llama_engine_") and "llama_engine" in compared else base
-
-
 def _loop_ratio(level: dict[str, Any], name: str, base: str) -> float:
     """A setting's server time per generated token over the baseline's (above 1: it costs more)."""
     return level[name]["ms_per_token"] / level[base]["ms_per_token"]
@@ -282,6 +298,13 @@ def _loop_setting_label(name: str) -> str:
     if name.startswith("llama_engine_stop_"):
         return f"`--engine llama.cpp`, stop_confidence {name.removeprefix('llama_engine_stop_')}"
     return LOOP_SETTINGS.get(name, name)
+
+
+def _loop_short_label(name: str) -> str:
+    """A setting in a few words: its engine, and where it ends drafts early."""
+    engine = "llama.cpp engine" if name.startswith("llama_engine") else "torch engine"
+    stop = name.rsplit("stop_", 1)[1] if "stop_" in name else None
+    return engine + (f" stopping below {stop}" if stop else "")
 
 
 def _loop_draft(fig: dict[str, Any]) -> str:
@@ -305,8 +328,10 @@ def benchmarks_summary() -> str:
 def compute_tables() -> str:
     """Per CPU class: each compute format's decode step, prefills and `/draft` answers, and what auto picks."""
     out: list[str] = []
-    for path in sorted(RESULTS.glob("compute.*.json")):
-        result = json.loads(path.read_text())
+    results = {path: json.loads(path.read_text()) for path in sorted(RESULTS.glob("compute.*.json"))}
+    for path, result in results.items():
+        if result["machine"].get("avx2_emulation"):  # in the check below and the summary
+            continue
         fig = result["figures"]
         out += [f"**{CLASS_NAMES.get(result['machine']['cpu_class'])}**: {machine(result)}, {result['date']}, "
                 f"`{result['command']}` ([{path.name}](bench/results/{path.name})).", "",
@@ -321,6 +346,18 @@ def compute_tables() -> str:
                        + " / ".join(f"{s[f'answer_{n}_s']:.2f}" for n in (64, 256, 1024)) + " s |")
         out += ["", "`auto` against the fastest explicit format, per context length: "
                 + ", ".join(f"{n} tokens {x(r)}" for n, r in fig["auto_vs_fastest_explicit"].items()) + ".", ""]
+    if len(results) > 1:
+        out += ["What sets the classes apart, and whether the AVX2 emulation reproduces it:", "",
+                "| machine | bf16 prefill / float32 prefill, 64 / 256 / 1,024 tokens | `auto` serves |",
+                "|---|---:|---|"]
+        for path, result in results.items():
+            formats = result["figures"]["formats"]
+            s = formats["auto (default)"]["served"]
+            ratios = [formats["bfloat16"]["in_process"][f"prefill_{n}_s"]
+                      / formats["float32"]["in_process"][f"prefill_{n}_s"] for n in (64, 256, 1024)]
+            out.append(f"| {machine(result)} ([{path.name}](bench/results/{path.name})) | "
+                       f"{' / '.join(x(r) for r in ratios)} | {s['compute']}"
+                       + (f", {s['prefill']} prefill" if s["compute"] == "int4" else "") + " |")
     return "\n".join(out).rstrip() if out else "(no compute results yet: `bench/bench_compute.py`)"
 
 
