@@ -213,6 +213,15 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
         rows.append(("`specdraft serve --gguf` (`--engine auto`): what it picks, and its replayed loop's cost, torch "
                      "against llama.cpp", f"{picks}; {x(fig['torch_loop_vs_llama_cpp'])}",
                      where(result, result['date']), path.name))
+    for path in sorted(RESULTS.glob("llamacpp_rows.*.json")):
+        result = json.loads(path.read_text())
+        against = result["figures"]["against_single_passes"]
+        sizes = [n for n in against["sequences"] if n != "1"]
+        rows.append((f"llama.cpp, a `llama_decode` of the draft carrying {' / '.join(sizes)} tokens against as many "
+                     "one-token passes: one token per sequence (the server's step); of one sequence",
+                     "; ".join(" / ".join(x(against[kind][n]) for n in sizes)
+                               for kind in ("sequences", "one_sequence")),
+                     where(result, result['date']), path.name))
     for path in sorted(RESULTS.glob("trace_backends.*.json")):
         result = json.loads(path.read_text())
         fig = result["figures"]
@@ -415,7 +424,7 @@ def server_loop_tables() -> str:
                 same = ("—" if agreement is None else
                         f"{100 * agreement.get('identical_drafts', agreement.get('prefix_of_full', 0)):.0f}% "
                         + ("identical" if "identical_drafts" in agreement else "a prefix")
-                        + ("" if against == base else f" of {_loop_setting_label(against)}'s"))
+                        + ("" if against == base else f" of the {_loop_short_label(against)}'s"))
                 cache = (f"{r['cache_peak_mb']:.1f} / {r['cache_budget_mb']:.0f} MB" if r.get("cache_budget_mb")
                          else "—")
                 out.append(f"| {lv['loops']} | {_loop_setting_label(name)} | {r['calls']} | "
