@@ -249,8 +249,10 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
         if levels[-1]["loops"] >= SOAK_LOOPS:  # a soak: many loops within a cache budget, each setting's memory
             last = levels[-1]
             rows.append((f"`specdraft serve` soak, {last['loops']} speculation loops ({_loop_draft(fig)}, "
-                         f"{_loop_prompts(fig)}): prefix cache peak / budget, server peak RSS, 503s waited out",
-                         "; ".join(f"{_loop_setting_label(name)}: {last[name]['cache_peak_mb']:.1f} / "
+                         f"{_loop_prompts(fig)}): server ms per generated token, p99 per call, prefix cache peak / "
+                         "budget, server peak RSS, 503s waited out",
+                         "; ".join(f"{_loop_setting_label(name)}: {last[name]['ms_per_token']:.0f} ms, "
+                                   f"{last[name]['p99_ms'] / 1000:.1f} s, {last[name]['cache_peak_mb']:.1f} / "
                                    f"{last[name]['cache_budget_mb']:.0f} MB, {last[name]['rss_mb_peak']:.0f} MB, "
                                    f"{last[name].get('refused_503', 0)}" for name in [base] + compared),
                          where(result, result['date']), path.name))
@@ -281,10 +283,9 @@ def _llama_cpp_agreement(fig: dict[str, Any]) -> dict[str, Any]:
 SOAK_LOOPS = 16  # a loop result of this many loops is a soak (bench/bench_server_loop.py --loops 16)
 LOOP_STOP = "0.4"  # the stop_confidence README quotes (bench/bench_server_loop.py --stop-confidence)
 # a loop result's settings (bench/bench_server_loop.py): the baseline first, then each compared with it
-LOOP_SETTINGS = {"no_reuse": "no prefix reuse", "reuse": "prefix reuse", "full": "prefix reuse, full drafts",
-                 "llama_engine": "`--engine llama.cpp`, sessions reused",
-                 "llama_engine_no_reuse": "`--engine llama.cpp`, no reuse",
-                 "llama_server": "llama-server, prompt cache on"}
+LOOP_SETTINGS = {"no_reuse": "torch, no reuse", "reuse": "torch, reuse", "full": "torch, reuse, full drafts",
+                 "llama_engine": "llama.cpp, reuse", "llama_engine_no_reuse": "llama.cpp, no reuse",
+                 "llama_server": "llama-server, cache_prompt"}
 
 
 def _loop_settings(fig: dict[str, Any]) -> tuple[str, list[str]]:
@@ -303,9 +304,9 @@ def _loop_ratio(level: dict[str, Any], name: str, base: str) -> float:
 
 def _loop_setting_label(name: str) -> str:
     if name.startswith("stop_"):
-        return f"stop_confidence {name.removeprefix('stop_')}"
+        return f"torch, stop {name.removeprefix('stop_')}"
     if name.startswith("llama_engine_stop_"):
-        return f"`--engine llama.cpp`, stop_confidence {name.removeprefix('llama_engine_stop_')}"
+        return f"llama.cpp, stop {name.removeprefix('llama_engine_stop_')}"
     return LOOP_SETTINGS.get(name, name)
 
 
@@ -399,11 +400,14 @@ def trace_backend_tables() -> str:
 
 
 def server_loop_tables() -> str:
-    """Per loop result: each setting's server time per generated token against the result's baseline setting."""
+    """Per loop result: each setting's server time per generated token against the result's baseline setting (a
+    soak's figures are its summary row)."""
     out: list[str] = []
     for path in sorted(RESULTS.glob("server_loop*.json")):
         result = json.loads(path.read_text())
         fig = result["figures"]
+        if fig["levels"][-1]["loops"] >= SOAK_LOOPS:
+            continue
         base, compared = _loop_settings(fig)
         draft = _loop_draft(fig)
         named = f"**{draft}**" if draft == fig["draft"] else f"**{draft}** ({fig['draft']})"
