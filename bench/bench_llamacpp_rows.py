@@ -5,10 +5,11 @@
 The llama.cpp engine (``model.llamacpp_slots``) feeds every live row one token per ``llama_decode``, and a prefill one
 token per pass too (bit for bit the same keys and values however passes are grouped). Whether several loops sharing a
 step, or a short prefill folded into one, could be cheaper than passes of their own depends on what a pass of n
-one-token sequences costs against n passes of one: measured here, in one context of ``--sequences`` sequences at
-``--context`` positions each, as the server's lanes make it (``sequences_context``, ``--threads``). For contrast, a
-pass of n tokens of one sequence (what llama-server's prompt pass and a chunked prefill run). Rounds interleave the
-sizes; the figure per size is the median over rounds of each round's median pass.
+one-token sequences costs against n passes of one: measured here, in one context of as many sequences as the largest
+``--sizes``, at ``--context`` positions each (every timed pass is taken back after), as the server's lanes make it
+(``sequences_context``, ``--threads``). For contrast, a pass of n tokens of one sequence (what llama-server's prompt
+pass and a chunked prefill run). Rounds interleave the sizes; the figure per size is the median over rounds of each
+round's median pass.
 Result: ``bench/results/llamacpp_rows.<cpu class>.json``.
 """
 
@@ -69,7 +70,7 @@ def main() -> None:
             for p in range(args.context):
                 decode([(seq, 100 + (7 * p + seq) % 5000)], keep=True)
         rounds: dict[str, dict[int, list[float]]] = {"sequences": {}, "one_sequence": {}}
-        for r in range(args.rounds):
+        for _ in range(args.rounds):
             for n in args.sizes:
                 rounds["sequences"].setdefault(n, []).append(median(
                     [decode([(s, 200 + i) for s in range(n)]) for i in range(args.passes)]))
