@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from harness import argument_parser, log_to_console, machine_record, median, timed, write_result
 from specdraft.server.process import ServerProcess
@@ -96,8 +97,9 @@ def unseen_contexts(context: list[int], vocab: int) -> Iterator[list[int]]:
 
 
 def reused_tokens(metrics_text: str) -> float:
-    return sum(float(line.split()[-1]) for line in metrics_text.splitlines()
-               if line.startswith("specdraft_context_tokens_reused"))
+    """The server's count of context tokens copied from its prefix cache, from its ``/metrics`` text."""
+    return sum(s.value for fam in text_string_to_metric_families(metrics_text) for s in fam.samples
+               if s.name == "specdraft_context_tokens_reused_total")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -261,13 +261,14 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
         # what reuse saves; BENCHMARKS.md's loop tables hold every setting
         peer = "llama_server" if "llama_server" in compared else base
         against_peer = [n for n in [base] + compared if n != peer and not n.endswith("no_reuse")]
-        without = [(n, b) for n in compared if n.endswith("no_reuse")
-                   for b in ["llama_engine" if n.startswith("llama_engine") else base] if b in [base] + compared]
+        with_reuse = {n: "llama_engine" if n.startswith("llama_engine") else base
+                      for n in compared if n.endswith("no_reuse")}
+        without = [(n, b) for n, b in with_reuse.items() if b in [base] + compared]
         loops = " / ".join(f"{lv['loops']}" for lv in levels)
         figure = (f"against {_loop_setting_label(peer)}: "
                   + ", ".join(f"{_loop_short_label(n)} " + " / ".join(x(_loop_ratio(lv, n, peer)) for lv in levels)
                               for n in against_peer)
-                  + "".join(f"; {_loop_short_label(n.removesuffix('_no_reuse') or base)}, without reuse against "
+                  + "".join(f"; {_loop_short_label(n)}, without reuse against "
                             "with: " + " / ".join(x(_loop_ratio(lv, n, b)) for lv in levels) for n, b in without))
         rows.append((f"`specdraft serve` in a speculation loop ({_loop_draft(fig)}, {_loop_prompts(fig)}): server "
                      f"time per generated token, {loops} loop(s) (below 1: cheaper)", figure,
