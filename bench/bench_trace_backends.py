@@ -5,16 +5,20 @@ per ``llama_decode``), on the same prompts, and how often their greedy tokens ag
     .venv/bin/python bench/bench_trace_backends.py               # the defaults: 1 thread (about 10 minutes)
     .venv/bin/python bench/bench_trace_backends.py --threads 1,2 # and a 2-thread block (idle cores only)
     .venv/bin/python bench/bench_trace_backends.py --threads 1 --repeats 3 --sequences 4,16,64
+    .venv/bin/python bench/bench_trace_backends.py --converted ''      # the GGUF file as it is only
 
 Prompts: the first --num-prompts of a seeded shuffle of the packaged corpus's training prompts, chat-templated as
 the traces stage does. Every configuration (hf at --hf-batch-size, the traces stage's default; llama.cpp at each of
 --sequences) decodes all of them greedily to --max-new-tokens, the same engine threads for both (torch threads for
 hf, llama.cpp threads), --repeats times, the configurations interleaved so that each sees the same machine load;
-the model loads are outside the clocks. Reported per configuration: completion tokens per CPU-second (process CPU
-time, every thread's) and per wall second, the median of the repeats. Agreement: each llama.cpp run's tokens
-against the hf run's, prompt by prompt (identical rows, the first position where they part, the share of hf's
-tokens before it); and every llama.cpp run against the first (one engine, any sequence count: identical). The result
-goes to ``bench/results/trace_backends.<cpu class>.json`` and to --out.
+the model loads are outside the clocks. What limits llama.cpp here, measured: the file's own weights converted
+to float32 (as transformers dequantises them for hf) and rounded to bfloat16 (--converted, by llama-cpp-python's
+``llama_model_quantize``, into --work), each decoded at the largest of --sequences: types llama.cpp has batched
+matrix kernels for on x86, which the file's Q4_1 lacks. Reported per configuration: completion tokens per CPU-second
+(process CPU time, every thread's) and per wall second, the median of the repeats. Agreement: each llama.cpp run's
+tokens against the hf run's, prompt by prompt (identical rows, the first position where they part, the share of
+hf's tokens before it); and every llama.cpp run against the first on the same weights (one engine, any sequence
+count: identical). The result goes to ``bench/results/trace_backends.<cpu class>.json`` and to --out.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import json
 import os
 import random
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from harness import add_out_argument, argument_parser, command, median, percentile, save_result, stopwatch
+from specdraft.core.io import sha256_file
 from specdraft.data.corpus import corpus_dir
 from specdraft.model.chat import encode_prompts
 from specdraft.model.specs import DEFAULT_TARGET, describe_source, load_tokenizer
@@ -49,6 +55,27 @@ def decode(make: Callable[[], TraceBackend], prompts: list[list[int]], max_new: 
         with stopwatch() as lap:
             rows = {i: g.tokens for i, g in backend.generate(prompts, max_new)}
     return rows, lap
+
+
+CONVERSIONS = {"float32": "LLAMA_FTYPE_ALL_F32", "bfloat16": "LLAMA_FTYPE_MOSTLY_BF16"}
+
+
+def converted_gguf(gguf: Path, dtype: str, work: Path) -> Path:
+    """``gguf``'s weights as ``dtype`` (every tensor dequantised, then stored as ``dtype``), written once into
+    ``work`` by llama.cpp's own quantiser and reused while the source's sha256 is the same."""
+    import llama_cpp
+
+    out = work / f"{gguf.stem}.{sha256_file(gguf)[:12]}.{dtype}.gguf"
+    if not out.is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, CONVERSIONS[dtype])
+        params.allow_requantize = True
+        part = out.with_suffix(".part")
+        if llama_cpp.llama_model_quantize(str(gguf).encode(), str(part).encode(), params) != 0:
+            raise RuntimeError(f"llama_model_quantize: cannot convert {gguf} to {dtype}")
+        part.rename(out)
+    return out
 
 
 def agreement(reference: dict[int, list[int]], rows: dict[int, list[int]]) -> dict[str, Any]:
@@ -73,13 +100,17 @@ def summarise(name: str, setting: dict[str, Any], laps: list, rows: dict[int, li
             "tokens_per_s": round(tokens / median([lap.wall for lap in laps]), 2)}
 
 
-def at_threads(threads: int, args, prompts: list[list[int]], gguf) -> dict[str, Any]:
+def at_threads(threads: int, args, prompts: list[list[int]], gguf, converted: dict[str, Path]) -> dict[str, Any]:
     """Every configuration at ``threads`` engine threads, the repeats interleaved."""
     torch.set_num_threads(threads)
     plan: list[tuple[str, dict[str, Any], Callable[[], TraceBackend]]] = [
         ("hf", {"batch_size": args.hf_batch_size}, lambda: HFBackend(DEFAULT_TARGET, "cpu", args.hf_batch_size))]
     plan += [("llama.cpp", {"sequences": s}, lambda s=s: LlamaCppBackend(gguf, sequences=s, threads=threads))
              for s in args.sequences]
+    most = max(args.sequences)
+    plan += [("llama.cpp", {"sequences": most, "weights": dtype},
+              lambda path=path: LlamaCppBackend(path, sequences=most, threads=threads))
+             for dtype, path in converted.items()]
     for _, _, make in plan:  # warm each engine (allocations, thread pools) before any clock
         decode(make, prompts[:2], 4)
     laps: list[list] = [[] for _ in plan]
@@ -96,8 +127,10 @@ def at_threads(threads: int, args, prompts: list[list[int]], gguf) -> dict[str, 
     runs = [summarise(name, setting, laps[k], rows[k]) for k, (name, setting, _) in enumerate(plan)]
     for k, run in enumerate(runs[1:], 1):
         run["vs_hf"] = agreement(rows[0], rows[k])
-        run["identical_to_first_llama_cpp_run"] = rows[k] == rows[1]
-    best = max(runs[1:], key=lambda r: r["tokens_per_cpu_s"])
+        first = next(j for j, r in enumerate(runs)
+                     if r["backend"] == "llama.cpp" and r.get("weights") == run.get("weights"))
+        run["identical_to_first_llama_cpp_run"] = rows[k] == rows[first]
+    best = max((r for r in runs[1:] if "weights" not in r), key=lambda r: r["tokens_per_cpu_s"])
     return {"threads": threads, "runs": runs,
             "best_llama_cpp_by_cpu_time": {"sequences": best["sequences"], "tokens_per_cpu_s": best["tokens_per_cpu_s"],
                                            "vs_hf": round(best["tokens_per_cpu_s"] / runs[0]["tokens_per_cpu_s"], 2)}}
@@ -108,7 +141,8 @@ def print_table(block: dict[str, Any]) -> None:
           "| identical prompts vs hf | hf tokens before the first difference |\n|---|---:|---:|---:|---:|---:|---:|")
     for r in block["runs"]:
         vs = r.get("vs_hf")
-        print(f"| {r['backend']} | {r.get('batch_size', r.get('sequences'))} | {r['new_tokens']} | "
+        name = r["backend"] + (f" on {r['weights']}" if "weights" in r else "")
+        print(f"| {name} | {r.get('batch_size', r.get('sequences'))} | {r['new_tokens']} | "
               f"{r['tokens_per_cpu_s']} | {r['tokens_per_s']} | "
               + (f"{vs['identical_prompts']}/{vs['prompts']} | {vs['tokens_before_first_difference_share']} |"
                  if vs else "(reference) | |"))
@@ -124,6 +158,11 @@ def main(argv=None) -> int:
                    help="llama.cpp: comma-separated sequence counts")
     p.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="comma-separated engine thread counts, each a block of its own")
+    p.add_argument("--converted", type=lambda s: [x for x in s.split(",") if x], default=list(CONVERSIONS),
+                   help="comma-separated: the GGUF's weights also as these types in llama.cpp (float32, bfloat16; "
+                        "'' for none)")
+    p.add_argument("--work", type=Path, default=Path("runs/bench_trace_backends"),
+                   help="where the converted GGUF files are written (and reused)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     add_out_argument(p, "bench_trace_backends.json")
@@ -135,7 +174,11 @@ def main(argv=None) -> int:
     print(f"{len(prompts)} prompts, prompt tokens min {lengths[0]} median {lengths[len(lengths) // 2]} max "
           f"{lengths[-1]}; max_new_tokens {args.max_new_tokens}; {args.repeats} repeats", flush=True)
     load_before = os.getloadavg()
-    blocks = [at_threads(t, args, prompts, gguf) for t in args.threads]
+    unknown = sorted(set(args.converted) - set(CONVERSIONS))
+    if unknown:
+        p.error(f"--converted: {unknown} (known: {', '.join(CONVERSIONS)})")
+    converted = {dtype: converted_gguf(gguf, dtype, args.work) for dtype in args.converted}
+    blocks = [at_threads(t, args, prompts, gguf, converted) for t in args.threads]
     for block in blocks:
         print_table(block)
     with LlamaCppBackend(gguf, sequences=1) as backend:

@@ -228,9 +228,16 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
         ratios = " / ".join(x(t["best_llama_cpp_by_cpu_time"]["vs_hf"]) for t in fig["by_threads"])
         threads = " / ".join(str(t["threads"]) for t in fig["by_threads"])
         agree = _llama_cpp_agreement(fig)
+        converted = {dtype: [next(r for r in t["runs"] if r.get("weights") == dtype) for t in fig["by_threads"]]
+                     for dtype in _converted_runs(fig)}
+        hf = [next(r for r in t["runs"] if r["backend"] == "hf") for t in fig["by_threads"]]
         rows.append((f"`specdraft traces --backend llama.cpp` against `--backend hf`: tokens per CPU-second at "
                      f"{threads} thread(s); prompts whose {fig['max_new_tokens']} greedy tokens are the torch "
-                     "target's", f"{ratios}; {agree['identical_prompts']} of {agree['prompts']}",
+                     "target's" + "".join(f"; the same with the file's weights as {dtype}" for dtype in converted),
+                     f"{ratios}; {agree['identical_prompts']} of {agree['prompts']}" + "".join(
+                         f"; {' / '.join(x(r['tokens_per_cpu_s'] / h['tokens_per_cpu_s']) for r, h in zip(runs, hf))}"
+                         f"; {runs[0]['vs_hf']['identical_prompts']} of {runs[0]['vs_hf']['prompts']}"
+                         for runs in converted.values()),
                      where(result, result['date']), path.name))
     for path in sorted(RESULTS.glob("multiturn_data.*.json")):
         result = json.loads(path.read_text())
@@ -277,8 +284,9 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
 
 
 def _llama_cpp_agreement(fig: dict[str, Any]) -> dict[str, Any]:
-    """llama.cpp's greedy tokens against the hf backend's (the same prompts: every thread count agrees)."""
-    return next(r["vs_hf"] for r in fig["by_threads"][0]["runs"] if r["backend"] == "llama.cpp")
+    """llama.cpp's greedy tokens on the GGUF file against the hf backend's (the same prompts: every thread count
+    agrees)."""
+    return next(r["vs_hf"] for r in fig["by_threads"][0]["runs"] if r["backend"] == "llama.cpp" and "weights" not in r)
 
 
 SOAK_LOOPS = 16  # a loop result of this many loops is a soak (bench/bench_server_loop.py --loops 16)
@@ -387,8 +395,8 @@ def trace_backend_tables() -> str:
         for t in fig["by_threads"]:
             hf = next(r for r in t["runs"] if r["backend"] == "hf")
             for r in t["runs"]:
-                label = r["backend"] + (f", {r['sequences']} sequences" if "sequences" in r else
-                                        f", batch {r['batch_size']}")
+                label = r["backend"] + (f" on the file's weights as {r['weights']}" if "weights" in r else "") + (
+                    f", {r['sequences']} sequences" if "sequences" in r else f", batch {r['batch_size']}")
                 out.append(f"| {t['threads']} | {label} | {r['tokens_per_cpu_s']:.1f} | {r['tokens_per_s']:.1f} | "
                            f"{x(r['tokens_per_cpu_s'] / hf['tokens_per_cpu_s'])} |")
         agree = _llama_cpp_agreement(fig)
@@ -397,17 +405,27 @@ def trace_backend_tables() -> str:
                 f"{agree['prompts']} prompts identical over {fig['max_new_tokens']} tokens, the first difference at "
                 f"token {first['median']:g} (median; quartiles {first['p25']:g}–{first['p75']:g}), at the first token "
                 f"for {first['first_token_differs']} prompts.", ""]
+        converted = [f"as {dtype}, {r['vs_hf']['identical_prompts']} of {r['vs_hf']['prompts']}"
+                     for dtype, r in _converted_runs(fig).items()]
+        if converted:
+            out[-1:] = ["On the file's weights converted by llama.cpp's quantiser, prompts identical to the torch "
+                        f"target's: {'; '.join(converted)}.", ""]
     return "\n".join(out).rstrip() if out else "(no trace backend results yet: `bench/bench_trace_backends.py`)"
+
+
+def _converted_runs(fig: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The llama.cpp runs on the GGUF's weights converted to another type, by type (the first thread count's)."""
+    return {r["weights"]: r for r in fig["by_threads"][0]["runs"] if "weights" in r}
 
 
 def server_loop_tables() -> str:
     """Per loop result: each setting's server time per generated token against the result's baseline setting (a
-    soak's figures are its summary row)."""
+    soak's figures, and second turns', are their summary rows)."""
     out: list[str] = []
     for path in sorted(RESULTS.glob("server_loop*.json")):
         result = json.loads(path.read_text())
         fig = result["figures"]
-        if fig["levels"][-1]["loops"] >= SOAK_LOOPS:
+        if fig["levels"][-1]["loops"] >= SOAK_LOOPS or fig.get("turn") == 2:
             continue
         base, compared = _loop_settings(fig)
         draft = _loop_draft(fig)
