@@ -14,25 +14,29 @@ hf, llama.cpp threads), --repeats times, the configurations interleaved so that 
 the model loads are outside the clocks. What limits llama.cpp here, measured: the file's own weights converted
 to float32 (as transformers dequantises them for hf) and rounded to bfloat16 (--converted, by llama-cpp-python's
 ``llama_model_quantize``, into --work), each decoded at the largest of --sequences: types llama.cpp has batched
-matrix kernels for on x86, which the file's Q4_1 lacks. Reported per configuration: completion tokens per CPU-second
-(process CPU time, every thread's) and per wall second, the median of the repeats. Agreement: each llama.cpp run's
-tokens against the hf run's, prompt by prompt (identical rows, the first position where they part, the share of
-hf's tokens before it); and every llama.cpp run against the first on the same weights (one engine, any sequence
-count: identical). The result goes to ``bench/results/trace_backends.<cpu class>.json`` and to --out.
+matrix kernels for on x86, which the file's Q4_1 lacks. Past one thread, hf also runs as ``traces --shard i/n``
+would on those cores: as many one-thread processes at once, each on its share of the prompts. Reported per
+configuration: completion tokens per CPU-second (process CPU time, every thread's) and per wall second, the median
+of the repeats. Agreement: each llama.cpp run's tokens against the hf run's, prompt by prompt (identical rows, the
+first position where they part, the share of hf's tokens before it); every llama.cpp run against the first on the
+same weights (one engine, any sequence count: identical); hf in processes against hf. The result goes to
+``bench/results/trace_backends.<cpu class>.json`` and to --out.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from harness import add_out_argument, argument_parser, command, median, percentile, save_result, stopwatch
+from harness import Lap, add_out_argument, argument_parser, command, median, percentile, save_result, stopwatch
 from specdraft.core.io import sha256_file
 from specdraft.data.corpus import corpus_dir
 from specdraft.model.chat import encode_prompts
@@ -54,6 +58,42 @@ def decode(make: Callable[[], TraceBackend], prompts: list[list[int]], max_new: 
     with make() as backend:
         with stopwatch() as lap:
             rows = {i: g.tokens for i, g in backend.generate(prompts, max_new)}
+    return rows, lap
+
+
+def _shard_worker(conn, prompts: list[list[int]], max_new: int, batch_size: int) -> None:
+    """One hf process at one thread: loads and warms, says so, decodes its prompts when told; sends back its rows
+    and the CPU seconds the decode took."""
+    with HFBackend(DEFAULT_TARGET, "cpu", batch_size, threads=1) as backend:
+        list(backend.generate(prompts[:2], 4))
+        conn.send("ready")
+        conn.recv()
+        cpu = time.process_time()
+        rows = {i: g.tokens for i, g in backend.generate(prompts, max_new)}
+        conn.send((rows, time.process_time() - cpu))
+
+
+def decode_sharded(processes: int, batch_size: int, prompts: list[list[int]], max_new: int) -> tuple[dict, Lap]:
+    """hf as ``traces --shard i/n`` runs it: ``processes`` one-thread processes at once, process i decoding prompts
+    i, i + n, ...; the loads outside the clock, CPU time the processes' own over the decode."""
+    spawn = multiprocessing.get_context("spawn")
+    pipes, workers = [], []
+    for i in range(processes):
+        parent, child = spawn.Pipe()
+        workers.append(spawn.Process(target=_shard_worker, args=(child, prompts[i::processes], max_new, batch_size)))
+        workers[-1].start()
+        pipes.append(parent)
+    for pipe in pipes:
+        if pipe.recv() != "ready":
+            raise RuntimeError("a shard process did not start")
+    start = time.perf_counter()
+    for pipe in pipes:
+        pipe.send("go")
+    results = [pipe.recv() for pipe in pipes]
+    lap = Lap(wall=time.perf_counter() - start, cpu=sum(cpu for _, cpu in results))
+    for worker in workers:
+        worker.join()
+    rows = {i + processes * k: tokens for i, (shard, _) in enumerate(results) for k, tokens in shard.items()}
     return rows, lap
 
 
@@ -101,23 +141,34 @@ def summarise(name: str, setting: dict[str, Any], laps: list, rows: dict[int, li
 
 
 def at_threads(threads: int, args, prompts: list[list[int]], gguf, converted: dict[str, Path]) -> dict[str, Any]:
-    """Every configuration at ``threads`` engine threads, the repeats interleaved."""
+    """Every configuration at ``threads`` engine threads (and, past one thread, hf in as many one-thread
+    processes), the repeats interleaved."""
     torch.set_num_threads(threads)
-    plan: list[tuple[str, dict[str, Any], Callable[[], TraceBackend]]] = [
-        ("hf", {"batch_size": args.hf_batch_size}, lambda: HFBackend(DEFAULT_TARGET, "cpu", args.hf_batch_size))]
-    plan += [("llama.cpp", {"sequences": s}, lambda s=s: LlamaCppBackend(gguf, sequences=s, threads=threads))
+    Run = Callable[[list[list[int]], int], tuple[dict, Any]]
+
+    def backend(make: Callable[[], TraceBackend]) -> Run:
+        return lambda p, n: decode(make, p, n)
+
+    plan: list[tuple[str, dict[str, Any], Run]] = [
+        ("hf", {"batch_size": args.hf_batch_size},
+         backend(lambda: HFBackend(DEFAULT_TARGET, "cpu", args.hf_batch_size)))]
+    plan += [("llama.cpp", {"sequences": s}, backend(lambda s=s: LlamaCppBackend(gguf, sequences=s, threads=threads)))
              for s in args.sequences]
     most = max(args.sequences)
     plan += [("llama.cpp", {"sequences": most, "weights": dtype},
-              lambda path=path: LlamaCppBackend(path, sequences=most, threads=threads))
+              backend(lambda path=path: LlamaCppBackend(path, sequences=most, threads=threads)))
              for dtype, path in converted.items()]
-    for _, _, make in plan:  # warm each engine (allocations, thread pools) before any clock
-        decode(make, prompts[:2], 4)
+    if threads > 1:
+        plan.append(("hf", {"batch_size": args.hf_batch_size, "processes": threads},
+                     lambda p, n: decode_sharded(threads, args.hf_batch_size, p, n)))
+    for _, setting, run in plan:  # warm each engine (allocations, thread pools) before any clock
+        if "processes" not in setting:  # its processes warm themselves
+            run(prompts[:2], 4)
     laps: list[list] = [[] for _ in plan]
     rows: list[dict] = [{} for _ in plan]
     for repeat in range(args.repeats):
-        for k, (name, setting, make) in enumerate(plan):
-            got, lap = decode(make, prompts, args.max_new_tokens)
+        for k, (name, setting, run) in enumerate(plan):
+            got, lap = run(prompts, args.max_new_tokens)
             if repeat and got != rows[k]:
                 raise RuntimeError(f"{name} {setting}: repeat {repeat} decoded other tokens than the first")
             rows[k] = got
@@ -126,11 +177,15 @@ def at_threads(threads: int, args, prompts: list[list[int]], gguf, converted: di
                   f"in {lap.wall:.1f} s wall, {lap.cpu:.1f} CPU s", flush=True)
     runs = [summarise(name, setting, laps[k], rows[k]) for k, (name, setting, _) in enumerate(plan)]
     for k, run in enumerate(runs[1:], 1):
+        if run["backend"] == "hf":  # in processes: the same model, other prompts sharing its batches
+            run["identical_to_hf"] = rows[k] == rows[0]
+            continue
         run["vs_hf"] = agreement(rows[0], rows[k])
         first = next(j for j, r in enumerate(runs)
                      if r["backend"] == "llama.cpp" and r.get("weights") == run.get("weights"))
         run["identical_to_first_llama_cpp_run"] = rows[k] == rows[first]
-    best = max((r for r in runs[1:] if "weights" not in r), key=lambda r: r["tokens_per_cpu_s"])
+    best = max((r for r in runs[1:] if r["backend"] == "llama.cpp" and "weights" not in r),
+               key=lambda r: r["tokens_per_cpu_s"])
     return {"threads": threads, "runs": runs,
             "best_llama_cpp_by_cpu_time": {"sequences": best["sequences"], "tokens_per_cpu_s": best["tokens_per_cpu_s"],
                                            "vs_hf": round(best["tokens_per_cpu_s"] / runs[0]["tokens_per_cpu_s"], 2)}}
@@ -141,11 +196,13 @@ def print_table(block: dict[str, Any]) -> None:
           "| identical prompts vs hf | hf tokens before the first difference |\n|---|---:|---:|---:|---:|---:|---:|")
     for r in block["runs"]:
         vs = r.get("vs_hf")
-        name = r["backend"] + (f" on {r['weights']}" if "weights" in r else "")
+        name = r["backend"] + (f" on {r['weights']}" if "weights" in r else "") + (
+            f" in {r['processes']} one-thread processes" if "processes" in r else "")
+        same = ("identical | |" if r.get("identical_to_hf") else "differs | |") if "processes" in r else (
+            f"{vs['identical_prompts']}/{vs['prompts']} | {vs['tokens_before_first_difference_share']} |"
+            if vs else "(reference) | |")
         print(f"| {name} | {r.get('batch_size', r.get('sequences'))} | {r['new_tokens']} | "
-              f"{r['tokens_per_cpu_s']} | {r['tokens_per_s']} | "
-              + (f"{vs['identical_prompts']}/{vs['prompts']} | {vs['tokens_before_first_difference_share']} |"
-                 if vs else "(reference) | |"))
+              f"{r['tokens_per_cpu_s']} | {r['tokens_per_s']} | {same}")
 
 
 def main(argv=None) -> int:

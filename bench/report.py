@@ -239,6 +239,15 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
                          f"; {runs[0]['vs_hf']['identical_prompts']} of {runs[0]['vs_hf']['prompts']}"
                          for runs in converted.values()),
                      where(result, result['date']), path.name))
+        sharded = _sharded_hf(fig)
+        if sharded:
+            one, many = sharded
+            rows.append((f"`specdraft traces` (hf) as {many['processes']} one-thread processes (`--shard "
+                         f"i/{many['processes']}`) against one process of {many['processes']} threads: tokens per "
+                         "second; per CPU-second; the same tokens",
+                         f"{x(many['tokens_per_s'] / one['tokens_per_s'])}; "
+                         f"{x(many['tokens_per_cpu_s'] / one['tokens_per_cpu_s'])}; "
+                         f"{'yes' if many['identical_to_hf'] else 'no'}", where(result, result['date']), path.name))
     for path in sorted(RESULTS.glob("multiturn_data.*.json")):
         result = json.loads(path.read_text())
         variants = result["figures"]["variants"]
@@ -396,7 +405,9 @@ def trace_backend_tables() -> str:
             hf = next(r for r in t["runs"] if r["backend"] == "hf")
             for r in t["runs"]:
                 label = r["backend"] + (f" on the file's weights as {r['weights']}" if "weights" in r else "") + (
-                    f", {r['sequences']} sequences" if "sequences" in r else f", batch {r['batch_size']}")
+                    f", {r['sequences']} sequences" if "sequences" in r else f", batch {r['batch_size']}") + (
+                    f", {r['processes']} one-thread processes (`--shard i/{r['processes']}`)" if "processes" in r
+                    else "")
                 out.append(f"| {t['threads']} | {label} | {r['tokens_per_cpu_s']:.1f} | {r['tokens_per_s']:.1f} | "
                            f"{x(r['tokens_per_cpu_s'] / hf['tokens_per_cpu_s'])} |")
         agree = _llama_cpp_agreement(fig)
@@ -410,7 +421,20 @@ def trace_backend_tables() -> str:
         if converted:
             out[-1:] = ["On the file's weights converted by llama.cpp's quantiser, prompts identical to the torch "
                         f"target's: {'; '.join(converted)}.", ""]
+        sharded = _sharded_hf(fig)
+        if sharded:
+            out[-1:] = [f"hf in one-thread processes decodes {'the same' if sharded[1]['identical_to_hf'] else 'other'}"
+                        " tokens as hf in one process.", ""]
     return "\n".join(out).rstrip() if out else "(no trace backend results yet: `bench/bench_trace_backends.py`)"
+
+
+def _sharded_hf(fig: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(hf in one process, hf in one-thread processes) at the same thread count, where a result has them."""
+    for t in fig["by_threads"]:
+        hf = [r for r in t["runs"] if r["backend"] == "hf"]
+        if len(hf) == 2:
+            return hf[0], hf[1]
+    return None
 
 
 def _converted_runs(fig: dict[str, Any]) -> dict[str, dict[str, Any]]:

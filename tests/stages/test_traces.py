@@ -105,6 +105,21 @@ def test_parse_shard():
 
 # --------------------------------------------------------------------------------------------- traces
 
+def test_threads_set_torchs_threads_for_the_hf_backend_and_its_record_says_so(tiny, tmp_path):
+    prompts = _write_prompts(tmp_path / "prompts.jsonl", 3)
+    out = tmp_path / "run" / "traces.jsonl"
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_traces(TracesConfig(target=str(tiny[0]), prompts=prompts, out=out, max_new_tokens=4, threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    summary = json.loads((tmp_path / "run" / "traces.summary.json").read_text())
+    assert summary["this_run"]["backend"] == "hf" and summary["this_run"]["torch_threads"] == 1
+    assert summary["config"]["threads"] == 1
+
+
 def test_traces_rows_equal_single_row_greedy(tiny, tmp_path):
     prompts = _write_prompts(tmp_path / "prompts.jsonl", 7, repeat_long=True)
     out = tmp_path / "run" / "traces.jsonl"

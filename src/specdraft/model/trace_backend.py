@@ -70,8 +70,11 @@ class HFBackend(TraceBackend):
     name = "hf"
     supports_top_logprobs = True  # the slot engine's; iter_greedy refuses them on the dynamic engine
 
-    def __init__(self, spec: str, device: str, batch_size: int):
+    def __init__(self, spec: str, device: str, batch_size: int, threads: int = 0):
         self.device = resolve_device(device)
+        if threads and torch.device(self.device).type == "cpu":
+            # torch's threads are the process's; one-thread shards, one per core, decode the most per CPU-second
+            torch.set_num_threads(threads)
         self.model = load_model(spec, device=self.device)  # float32: traces define the training targets
         self.batch_size = batch_size
 

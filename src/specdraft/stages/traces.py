@@ -104,7 +104,8 @@ class _DecodeFields(StageConfig):
     backend: Backend = Field("hf", description="hf: specdraft's decode loop (CPU or GPU), the float32 model; vllm: "
                                                "vllm.LLM (GPU); llama.cpp: the target's GGUF file as llama.cpp "
                                                "computes it (CPU; pip install 'specdraft[llama]')")
-    threads: int = Field(0, ge=0, description="llama.cpp backend: CPU threads (0: one per core)")
+    threads: int = Field(0, ge=0, description="CPU threads: llama.cpp's, or torch's for hf on a CPU (0: one per "
+                                              "core); with n shards on one machine, --threads 1 each")
     device: str = Field("auto", description=f"hf backend: {DEVICE_HELP}")
     limit: int | None = Field(None, ge=1, description="take only the first N prompts of the file")
     tensor_parallel_size: int = Field(1, ge=1, description="vllm backend: GPUs per model (tensor parallel)")
@@ -177,7 +178,7 @@ def make_backend(cfg: _DecodeFields) -> TraceBackend:
         return VLLMBackend(cfg.target, cfg.tensor_parallel_size, cfg.vllm_chunk)
     if cfg.backend == "llama.cpp":
         return LlamaCppBackend(target_gguf(cfg.target), sequences=cfg.batch_size, threads=cfg.threads or None)
-    return HFBackend(cfg.target, cfg.device, cfg.batch_size)
+    return HFBackend(cfg.target, cfg.device, cfg.batch_size, threads=cfg.threads)
 
 
 def engine_key(cfg: _DecodeFields) -> dict[str, Any]:
