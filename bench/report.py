@@ -412,19 +412,20 @@ def trace_backend_tables() -> str:
                            f"{x(r['tokens_per_cpu_s'] / hf['tokens_per_cpu_s'])} |")
         agree = _llama_cpp_agreement(fig)
         first = agree["first_difference"]
-        out += ["", f"llama.cpp's greedy tokens against the torch target's: {agree['identical_prompts']} of "
-                f"{agree['prompts']} prompts identical over {fig['max_new_tokens']} tokens, the first difference at "
-                f"token {first['median']:g} (median; quartiles {first['p25']:g}–{first['p75']:g}), at the first token "
-                f"for {first['first_token_differs']} prompts.", ""]
+        notes = [f"llama.cpp's greedy tokens against the torch target's: {agree['identical_prompts']} of "
+                 f"{agree['prompts']} prompts identical over {fig['max_new_tokens']} tokens, the first difference at "
+                 f"token {first['median']:g} (median; quartiles {first['p25']:g}–{first['p75']:g}), at the first "
+                 f"token for {first['first_token_differs']} prompts."]
         converted = [f"as {dtype}, {r['vs_hf']['identical_prompts']} of {r['vs_hf']['prompts']}"
                      for dtype, r in _converted_runs(fig).items()]
         if converted:
-            out[-1:] = ["On the file's weights converted by llama.cpp's quantiser, prompts identical to the torch "
-                        f"target's: {'; '.join(converted)}.", ""]
+            notes.append("On the file's weights converted by llama.cpp's quantiser, prompts identical to the torch "
+                         f"target's: {'; '.join(converted)}.")
         sharded = _sharded_hf(fig)
         if sharded:
-            out[-1:] = [f"hf in one-thread processes decodes {'the same' if sharded[1]['identical_to_hf'] else 'other'}"
-                        " tokens as hf in one process.", ""]
+            same = "the same" if sharded[1]["identical_to_hf"] else "other"
+            notes.append(f"hf in one-thread processes decodes {same} tokens as hf in one process.")
+        out += ["", *notes, ""]
     return "\n".join(out).rstrip() if out else "(no trace backend results yet: `bench/bench_trace_backends.py`)"
 
 
