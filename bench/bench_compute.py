@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from harness import argument_parser, log_to_console, machine_record, median, timed, write_result
+from harness import argument_parser, log_to_console, machine_record, median, metric_values, timed, write_result
 from specdraft.server.process import ServerProcess
 
 log = logging.getLogger("specdraft.bench")
@@ -84,7 +83,8 @@ def served(model_dir: Path, flags: list[str], ctx: dict[int, list[int]], repeats
                     r.raise_for_status()
                 out[f"answer_{n}_s"] = round(median(timed(answer, repeats)), 4)
             # the prefix cache would turn a repeated context into a hit: each request is new, so none reused a token
-            out["context_tokens_reused"] = reused_tokens(http.get("/metrics").text)
+            out["context_tokens_reused"] = metric_values(http.get("/metrics").text).get(
+                "specdraft_context_tokens_reused_total", 0.0)
             if out["context_tokens_reused"]:
                 raise RuntimeError(f"{flags}: the server reused {out['context_tokens_reused']} cached context tokens")
     return out
@@ -94,12 +94,6 @@ def unseen_contexts(context: list[int], vocab: int) -> Iterator[list[int]]:
     """The same context with a different first token at each call: as long, but no block of it cached before."""
     for shift in itertools.count(1):
         yield [(context[0] + shift) % vocab, *context[1:]]
-
-
-def reused_tokens(metrics_text: str) -> float:
-    """The server's count of context tokens copied from its prefix cache, from its ``/metrics`` text."""
-    return sum(s.value for fam in text_string_to_metric_families(metrics_text) for s in fam.samples
-               if s.name == "specdraft_context_tokens_reused_total")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import RssSampler, add_out_argument, argument_parser, log_to_console, save_result, stopwatch, timed
+from harness import (
+    RssSampler,
+    add_out_argument,
+    argument_parser,
+    log_to_console,
+    metric_values,
+    save_result,
+    stopwatch,
+    timed,
+)
 from specdraft.core.io import read_json
 from specdraft.core.machine import describe
 from specdraft.drafting.acceptance import percentile  # NaN without values: a level nothing answered still prints
@@ -351,15 +360,8 @@ def run_clients(url: str, bodies: list[bytes], clients: int, seconds: float) -> 
 
 def _scrape(url: str) -> dict[str, float]:
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for s in fam.samples:
-            if s.name in ("specdraft_iteration_rows_sum", "specdraft_iteration_rows_count",
-                          "specdraft_draft_tokens_total"):
-                out[s.name] = s.value
-    return out
+    return metric_values(httpx.get(url + "/metrics", timeout=10).text)
 
 
 def http_bench(args, draft_dir: Path, points: list[dict[str, Any]]) -> dict[str, Any]:

@@ -71,11 +71,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench_server import build_standin
 from bench_server_peers import LLAMA, SPECDRAFT, LlamaPeer, default_llama_server, default_threads
-from harness import RssSampler, add_out_argument, argument_parser, log_to_console, percentile, save_result
+from harness import (
+    RssSampler,
+    add_out_argument,
+    argument_parser,
+    log_to_console,
+    metric_values,
+    percentile,
+    save_result,
+)
 from specdraft.core.wire import DRAFT_TOKENS
 from specdraft.data.corpus import heldout_path
 from specdraft.data.mt_bench import read_mt_bench
@@ -252,8 +259,7 @@ class SpecdraftLoopServer:
         return Reply(answer["draft_ids"], stopped=answer.get("stop_reason") == "confidence")
 
     def counters(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=30, trust_env=False).text
-        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+        return metric_values(httpx.get(self.url + "/metrics", timeout=30, trust_env=False).text)
 
     def start_sampling(self) -> None:
         self._sampler.start()

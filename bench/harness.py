@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdraft.core.io import atomic_write_json
 from specdraft.core.machine import machine
@@ -173,6 +174,14 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile (0 to 100) by linear interpolation (``specdraft.drafting.acceptance.percentile``);
     None without values, as a result's JSON has no NaN."""
     return interpolated_percentile(values, q) if len(values) else None
+
+
+# ------------------------------------------------------------------------------------------------------- a server
+
+def metric_values(metrics_text: str) -> dict[str, float]:
+    """A ``/metrics`` page's unlabelled samples by name, read with prometheus_client's own parser."""
+    return {s.name: s.value for fam in text_string_to_metric_families(metrics_text) for s in fam.samples
+            if not s.labels}
 
 
 # ------------------------------------------------------------------------------------------------------- memory
