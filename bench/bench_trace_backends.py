@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from harness import Lap, add_out_argument, argument_parser, command, median, percentile, save_result, stopwatch
 from specdraft.core.io import sha256_file
 from specdraft.data.corpus import corpus_dir
@@ -143,7 +141,6 @@ def summarise(name: str, setting: dict[str, Any], laps: list, rows: dict[int, li
 def at_threads(threads: int, args, prompts: list[list[int]], gguf, converted: dict[str, Path]) -> dict[str, Any]:
     """Every configuration at ``threads`` engine threads (and, past one thread, hf in as many one-thread
     processes), the repeats interleaved."""
-    torch.set_num_threads(threads)
     Run = Callable[[list[list[int]], int], tuple[dict, Any]]
 
     def backend(make: Callable[[], TraceBackend]) -> Run:
@@ -151,7 +148,7 @@ def at_threads(threads: int, args, prompts: list[list[int]], gguf, converted: di
 
     plan: list[tuple[str, dict[str, Any], Run]] = [
         ("hf", {"batch_size": args.hf_batch_size},
-         backend(lambda: HFBackend(DEFAULT_TARGET, "cpu", args.hf_batch_size)))]
+         backend(lambda: HFBackend(DEFAULT_TARGET, "cpu", args.hf_batch_size, threads=threads)))]
     plan += [("llama.cpp", {"sequences": s}, backend(lambda s=s: LlamaCppBackend(gguf, sequences=s, threads=threads)))
              for s in args.sequences]
     most = max(args.sequences)
