@@ -128,8 +128,24 @@ def test_the_rule_is_chosen_on_calibration_points_and_reported_on_the_others():
     assert reported["chosen"] == {"points": 12, "prompts": 4, "accepted_total": 0, "mean_accepted": 0.0,
                                   "mean_accepted_per_prompt": 0.0}
     assert reported["draft_only"]["accepted_total"] == 60  # the better rule there, not chosen: never seen
+    assert reported["better_of_two"]["accepted_total"] == 60  # the better of the two at each reported point
+    assert "better_of_two" not in calibration
     assert "chosen" not in calibration
     assert record["reported"]["per_context_length"]["256-1K"]["chosen"]["points"] == 12
+
+
+def test_the_ceiling_is_the_better_of_the_two_at_each_point_and_no_rule_exceeds_it():
+    points = []
+    for i in range(12):
+        model, lookup, match = (i * 7) % 5, (i * 3) % 9, i % 4
+        points += [RulePoint(f"p{i}", "mixed" if i % 3 else "other", 100 + 40 * i, model, lookup, match)] * 2
+    reported = measure_rules(points)["reported"]
+    for row in [reported["overall"], *reported["per_category"].values(), *reported["per_context_length"].values()]:
+        ceiling = row["better_of_two"]["accepted_total"]
+        assert all(cell["accepted_total"] <= ceiling for cell in row.values())
+    side = calibration_split(points)
+    assert reported["overall"]["better_of_two"]["accepted_total"] == sum(
+        max(p.model, p.lookup) for p, c in zip(points, side) if not c)
 
 
 def test_a_category_gets_its_own_rule_only_with_enough_points_and_a_gain():

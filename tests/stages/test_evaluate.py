@@ -400,8 +400,12 @@ def test_run_eval_chooses_the_hybrid_rule_on_half_the_prompts(tiny_qwen3_dir, tm
     assert section["reported"]["overall"]["chosen"]["accepted_total"] == sum(by_hand) == 56
     assert section["reported"]["per_category"]["copy"]["lookup_alone"]["accepted_total"] == 24
     assert section["reported"]["per_category"]["new"]["draft_only"]["accepted_total"] == 32
+    ceiling = section["ceiling"]["key"]
+    assert section["reported"]["overall"][ceiling]["accepted_total"] == sum(max(model[i], lookup[i][0])
+                                                                             for i in reported)
     md = (out / "report.md").read_text()
     assert "the rule measured" in md and "## Per context length" in md and "| <256 |" in md
+    assert "the better of the two per point" in md
     assert (out / "acceptance_per_context_length.png").is_file()
     for bad in (dict(lookup=True), dict(model_dir=tiny_qwen3_dir, hybrid_min_ngram=2)):
         with pytest.raises(ValueError, match="--choose-hybrid-rule"):

@@ -11,7 +11,8 @@ thresholds on one signal lookup measures anyway, its match length (``lookup.look
 ``choose_rule`` picks the best threshold on a calibration split of the points (``calibration_split``: every other
 prompt of each category), and a category's own where it has enough calibration points and beats the overall
 choice there. ``measure_rules`` scores every candidate and the chosen rule on the other prompts only, so a choice is
-never reported on the points that made it. The chosen ``HybridRule`` is data (``to_json`` / ``from_json``) that
+never reported on the points that made it, beside the better of the two at each point: the ceiling of any rule that
+picks one of them per context, however it decides. The chosen ``HybridRule`` is data (``to_json`` / ``from_json``) that
 ``HybridDrafter`` applies: its overall threshold wherever a context's category is unknown (a served request).
 """
 
@@ -30,6 +31,8 @@ CANDIDATE_MIN_MATCH: tuple[int | None, ...] = (1, 2, 3, 4, 8, 16, None)
 # A category gets a threshold of its own only from this many calibration points: fewer, and its choice would
 # follow the noise of one or two prompts
 MIN_CATEGORY_POINTS = 16
+# The column of the better of the two at each point (``RulePoint.better_of_two``): how far from it a rule is
+CEILING = "better_of_two"
 SPLIT_NOTE = ("calibration: every other prompt of each category (the 1st, 3rd, ... in the file's order); reported: "
               "the others. The rule is chosen on the calibration prompts alone and scored on the reported ones.")
 
@@ -113,6 +116,11 @@ class RulePoint:
             return self.lookup
         return self.lookup if self.match and rule.uses_lookup(self.match, self.category) else self.model
 
+    @property
+    def better_of_two(self) -> int:
+        """What a rule that always picked the better of the two here would accept."""
+        return max(self.model, self.lookup)
+
 
 def rule_points(points: Sequence[ValidationPoint], model_accepted: Sequence[int], k: int) -> list[RulePoint]:
     """Each point with the model's accepted length (``model_accepted``, from its own evaluation) and lookup's,
@@ -166,13 +174,14 @@ def choose_rule(calibration: Sequence[RulePoint]) -> HybridRule:
 
 
 def _table(points: Sequence[RulePoint], chosen: HybridRule | None) -> dict[str, Any]:
-    """Every candidate, lookup alone and (given) the chosen rule over ``points``: overall, per category and per
-    context-length bucket."""
+    """Every candidate, lookup alone and (given) the chosen rule and the ceiling over ``points``: overall, per
+    category and per context-length bucket."""
     def row(group: Sequence[RulePoint]) -> dict[str, Any]:
         out = {"lookup_alone": _score(group, None)}
         out.update({candidate_key(t): _score(group, HybridRule(t)) for t in CANDIDATE_MIN_MATCH})
         if chosen is not None:
             out["chosen"] = _score(group, chosen)
+            out[CEILING] = group_summary([p.better_of_two for p in group], [p.id for p in group])
         return out
     categories = sorted({p.category for p in points})
     buckets = [label for label, _ in CONTEXT_BUCKETS if any(context_bucket(p.context_tokens) == label for p in points)]
@@ -184,7 +193,8 @@ def _table(points: Sequence[RulePoint], chosen: HybridRule | None) -> dict[str, 
 
 def measure_rules(points: Sequence[RulePoint]) -> dict[str, Any]:
     """The record of a measured rule: the split, every candidate on the calibration points, the rule chosen there,
-    and every candidate with the chosen rule on the reported points (never the ones it was chosen on)."""
+    and every candidate with the chosen rule and the ceiling on the reported points (never the ones it was chosen
+    on)."""
     side = calibration_split(points)
     calibration = [p for p, c in zip(points, side) if c]
     reported = [p for p, c in zip(points, side) if not c]
@@ -192,6 +202,8 @@ def measure_rules(points: Sequence[RulePoint]) -> dict[str, Any]:
     return {
         "candidates": {candidate_key(t): {"min_match": t, "label": candidate_label(t)} for t in CANDIDATE_MIN_MATCH},
         "fixed": candidate_key(DEFAULT_HYBRID_MIN_NGRAM),
+        "ceiling": {"key": CEILING, "label": "the better of the two at each point (the most any rule choosing "
+                                             "between them per context could accept)"},
         "min_category_points": MIN_CATEGORY_POINTS,
         "split": {"how": SPLIT_NOTE,
                   "calibration": {"points": len(calibration), "prompts": len({p.id for p in calibration})},

@@ -80,7 +80,8 @@ RULE_COLUMNS = (("draft_only", "the model only"), ("lookup_alone", "lookup alone
 
 def hybrid_rule_markdown(section: Mapping[str, Any] | None, k: int) -> list[str]:
     """The measured hybrid rule: the rule chosen on the calibration prompts, every candidate there, and the
-    reported prompts per category and context length (the model alone, lookup alone, the fixed rule, the chosen)."""
+    reported prompts per category and context length (the model alone, lookup alone, the fixed rule, the chosen, and
+    the better of the two at each point: how far the chosen is from what any choice between them could accept)."""
     if not section:
         return []
     split, candidates = section["split"], section["candidates"]
@@ -96,6 +97,8 @@ def hybrid_rule_markdown(section: Mapping[str, Any] | None, k: int) -> list[str]
     if not reported:
         return lines + ["", "(No reported prompts: every category has one prompt.)"]
     columns = [*RULE_COLUMNS, (fixed, candidates[fixed]["label"]), ("chosen", "the chosen rule")]
+    if section.get("ceiling"):  # older records lack it
+        columns.append((section["ceiling"]["key"], "the better of the two per point (a ceiling for any rule)"))
     header = ["| {what} | points | " + " | ".join(h for _, h in columns) + " |",
               "|---|---|" + "---|" * len(columns)]
 
