@@ -16,7 +16,7 @@ from pathlib import Path
 from harness import argument_parser, command, machine_record, result_path
 from specdraft.core.io import atomic_write_json, read_json
 from specdraft.demo import BUDGETS
-from specdraft.demo.plan import REFERENCE_PATH, stage_units
+from specdraft.demo.plan import REFERENCE_PATH, stage_kinds, stage_units
 from specdraft.reports.demo import mt_bench_turns
 
 
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             "command": "make demo", "recorded_by": command(), "date": summary["created_at"][:10],
             "machine": plan["machine"],
             "threads": plan["threads"], "probe_seconds": plan["probe_seconds"], "budget": summary["budget"],
-            "units": stage_units(BUDGETS[summary["budget"]]), "stage_seconds": dict(sorted(seconds.items()))})
+            "units": stage_units(BUDGETS[summary["budget"]]), "kinds": stage_kinds(BUDGETS[summary["budget"]]),
+            "stage_seconds": dict(sorted(seconds.items()))})
         print(json.dumps(read_json(REFERENCE_PATH), indent=1))
     return 0
 

@@ -478,7 +478,7 @@ def test_a_target_without_gguf_support_is_exported_for_transformers(tmp_path, mo
 def test_the_plan_scales_the_reference_run_by_the_probe_and_by_each_stages_work(monkeypatch):
     from specdraft.demo import plan as plan_mod
     small, default = demo.BUDGETS["small"], demo.BUDGETS["default"]
-    reference = {"machine": MACHINE, "probe_seconds": 0.2, "units": plan_mod.stage_units(small),
+    reference = {"machine": MACHINE, "probe_seconds": 0.2, "budget": "small", "units": plan_mod.stage_units(small),
                  "stage_seconds": {"traces": 90.0, "train": 150.0, "audit": 5.0}}
     monkeypatch.setattr(plan_mod, "reference", lambda: reference)
     monkeypatch.setattr(plan_mod, "probe_seconds", lambda: 0.1)  # this machine runs the probe twice as fast
@@ -490,6 +490,13 @@ def test_the_plan_scales_the_reference_run_by_the_probe_and_by_each_stages_work(
     work = (default.trace_prompts * default.trace_tokens) / (small.trace_prompts * small.trace_tokens)
     assert bigger.expected_seconds["traces"] == pytest.approx(45.0 * work)
     assert "expected wall time 2.0 min" in expected.lines()[0] and "AMD EPYC" in expected.lines()[0]
+    # the small reference packs by rounding; a GPTQ pack is not scaled from it (tokens traced would make hours of it)
+    reference["stage_seconds"]["pack"] = 1.5
+    assert default.gptq and not small.gptq
+    assert plan_mod.plan(small, ["pack"], threads=1).expected_seconds == {"pack": 0.75}
+    gptq = plan_mod.plan(default, ["traces", "pack"], threads=1)
+    assert "pack" not in gptq.expected_seconds and gptq.unexpected == ("pack",)
+    assert "another kind of work there" in gptq.lines()[-1]
     monkeypatch.setattr(plan_mod, "reference", lambda: None)
     assert plan_mod.plan(small, ["traces"], threads=1).expected_seconds == {}
 

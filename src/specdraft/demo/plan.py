@@ -4,8 +4,10 @@ time each stage should take here.
 The probe times a fixed float32 workload (the embedded target's MLP shapes at 1, 32 and 128 rows: decode steps,
 batched traces, prefill and training) at the stages' thread count. The estimate scales a reference run of the
 small budget (``assets/demo_reference.json``: each stage's seconds, the probe on that machine, the machine) by the
-probe's ratio, and by each stage's work (``stage_units``) for the larger budgets. It is a model, and says so: the
-summary puts what each stage took beside what was expected.
+probe's ratio, and by each stage's work (``stage_units``) for the larger budgets. A stage whose work is of another
+kind than the reference run's (``stage_kinds``: a GPTQ pack against a rounding one) is not expected: units of one
+kind do not scale the other. It is a model, and says so: the summary puts what each stage took beside what was
+expected.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from specdraft.core.machine import describe, machine
+from specdraft.demo.budgets import BUDGETS
 
 REFERENCE = "demo_reference.json"
 REFERENCE_PATH = Path(__file__).resolve().parents[1] / "assets" / REFERENCE
@@ -63,6 +66,12 @@ def stage_units(budget: Any) -> dict[str, float]:
             "eval_mt_bench": 2 * budget.val_prompts * budget.mt_bench_eval_tokens}
 
 
+def stage_kinds(budget: Any) -> dict[str, str]:
+    """The stages whose work changes kind with the budget, and its kind there: a GPTQ pack fits every layer on the
+    traces (seconds to minutes), a plain one rounds the weights once (about a second)."""
+    return {"pack": "gptq" if budget.gptq else "round"}
+
+
 def reference() -> dict[str, Any] | None:
     """The packaged reference run (None when the package has none)."""
     try:
@@ -81,7 +90,8 @@ class Plan:
     speed_vs_reference: float | None  # > 1: this machine runs the probe faster than the reference machine did
     expected_seconds: dict[str, float]
     reference_machine: str | None
-    unexpected: tuple[str, ...] = ()  # stages still to run that the reference run did not time
+    # stages still to run that the reference run did not time, or timed doing work of another kind
+    unexpected: tuple[str, ...] = ()
 
     @property
     def total(self) -> float:
@@ -102,7 +112,8 @@ class Plan:
                 f"{self.speed_vs_reference:.2f}x as fast as the reference ({self.reference_machine}); expected "
                 f"wall time {self.total / 60:.1f} min for the stages still to run:")
         return ([head] + [f"  {stage:<20} {seconds:7.0f} s" for stage, seconds in self.expected_seconds.items()]
-                + ([f"  not in the reference run, so not expected: {', '.join(self.unexpected)}"]
+                + ([f"  not in the reference run (or another kind of work there), so not expected: "
+                    f"{', '.join(self.unexpected)}"]
                    if self.unexpected else []))
 
 
@@ -121,7 +132,10 @@ def plan(budget: Any, stages: list[str], threads: int | None = None) -> Plan:
         return Plan(here, threads, seconds, None, {}, None)
     speed = ref["probe_seconds"] / seconds
     units, ref_units = stage_units(budget), ref["units"]
+    # a reference recorded before it named its kinds: those of its budget
+    kinds, ref_kinds = stage_kinds(budget), ref.get("kinds") or stage_kinds(BUDGETS[ref["budget"]])
     expected = {stage: ref["stage_seconds"][stage] * units[stage] / ref_units[stage] / speed
-                for stage in stages if stage in ref["stage_seconds"] and stage in units and ref_units.get(stage)}
+                for stage in stages if stage in ref["stage_seconds"] and stage in units and ref_units.get(stage)
+                and kinds.get(stage) == ref_kinds.get(stage)}
     return Plan(here, threads, seconds, speed, expected, describe(ref["machine"]),
                 tuple(stage for stage in stages if stage not in expected))
