@@ -12,7 +12,7 @@ from specdraft.drafting.base import Drafter
 from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM, HybridDrafter
 from specdraft.drafting.hybrid_rule import (
     CANDIDATE_MIN_MATCH,
-    MIN_CATEGORY_POINTS,
+    MIN_CATEGORY_PROMPTS,
     HybridRule,
     RulePoint,
     calibration_split,
@@ -148,19 +148,26 @@ def test_the_ceiling_is_the_better_of_the_two_at_each_point_and_no_rule_exceeds_
         max(p.model, p.lookup) for p, c in zip(points, side) if not c)
 
 
-def test_a_category_gets_its_own_rule_only_with_enough_points_and_a_gain():
-    n = MIN_CATEGORY_POINTS
-    # "copy": lookup's long matches pay; "new": lookup's short matches lose to the model; "few": too few points
-    copy = [RulePoint("c", "copy", 10, 1, 8, 20)] * n
-    new = [RulePoint("n", "new", 10, 4, 0, 2)] * (3 * n)
-    few = [RulePoint("f", "few", 10, 1, 8, 2)] * (n - 1)
-    rule = choose_rule(copy + new + few)
-    # overall: a threshold above 2 keeps the model on "new" and lookup on "copy" (3, the first of the tie); "few"
-    # would gain from 1 or 2 but has too few points for a rule of its own
-    assert rule.min_match == 3 and rule.per_category == {}
-    rule = choose_rule(copy + [RulePoint("n", "new", 10, 4, 0, 20)] * (3 * n) + few)
-    # "new"'s matches are as long as "copy"'s: no threshold tells them apart, so "new" gets its own rule (never)
-    assert rule.min_match == 1 and rule.per_category == {"new": None}
+def _prompts(category, prompts, points, model, lookup, match=20, first=0):
+    return [RulePoint(f"{category}{i}", category, 10, model, lookup, match)
+            for i in range(first, first + prompts) for _ in range(points)]
+
+
+def test_a_category_gets_its_own_rule_only_where_it_holds_prompt_by_prompt():
+    """Every match here is 20 tokens long: no overall threshold tells the categories apart. "new" (the most points:
+    the model wins) makes the overall rule "never"; "copy" gains from lookup on each of its 4 prompts; "mixed"
+    gains in sum from one prompt and loses on its other 3; "few" gains on each of too few prompts."""
+    new = _prompts("new", 10, 4, model=4, lookup=0)
+    copy = _prompts("copy", MIN_CATEGORY_PROMPTS, 2, model=1, lookup=8)
+    mixed = (_prompts("mixed", 1, 4, model=0, lookup=16)
+             + _prompts("mixed", MIN_CATEGORY_PROMPTS - 1, 4, model=3, lookup=2, first=1))
+    few = _prompts("few", MIN_CATEGORY_PROMPTS - 1, 1, model=1, lookup=8)
+    rule = choose_rule(new + copy + mixed + few)
+    assert rule.min_match is None
+    assert rule.per_category == {"copy": 1}  # the first threshold of the tie: lookup wherever it matches
+    # "mixed"'s summed gain is real on these points (+52), one prompt's: a rule that summed it would take it
+    gain = sum(p.accepted(HybridRule(1)) - p.accepted(HybridRule(None)) for p in mixed)
+    assert gain == 52
     assert set(CANDIDATE_MIN_MATCH) >= {None, DEFAULT_HYBRID_MIN_NGRAM}
     with pytest.raises(ValueError, match="no calibration points"):
         choose_rule([])

@@ -9,8 +9,10 @@ thresholds on one signal lookup measures anyway, its match length (``lookup.look
 - lookup where its match is at least n tokens long, for n in ``CANDIDATE_MIN_MATCH`` (the fixed rule is n = 2).
 
 ``choose_rule`` picks the best threshold on a calibration split of the points (``calibration_split``: every other
-prompt of each category), and a category's own where it has enough calibration points and beats the overall
-choice there. ``measure_rules`` scores every candidate and the chosen rule on the other prompts only, so a choice is
+prompt of each category), and a category's own only where it holds prompt by prompt: it beats the overall choice on
+most of the category's calibration prompts and loses on none. A category's points come from a few prompts, and a
+threshold that wins their sum through one of them tends to lose on the next few (docs/history.md, "A category's
+own rule"). ``measure_rules`` scores every candidate and the chosen rule on the other prompts only, so a choice is
 never reported on the points that made it, beside the better of the two at each point: the ceiling of any rule that
 picks one of them per context, however it decides. The chosen ``HybridRule`` is data (``to_json`` / ``from_json``) that
 ``HybridDrafter`` applies: its overall threshold wherever a context's category is unknown (a served request).
@@ -28,9 +30,9 @@ from specdraft.drafting.metrics import CONTEXT_BUCKETS, accepted_length, context
 DEFAULT_HYBRID_MIN_NGRAM = 2
 # The thresholds tried, most lookup first (a tie goes to the rule that drafts more for free); None: never lookup
 CANDIDATE_MIN_MATCH: tuple[int | None, ...] = (1, 2, 3, 4, 8, 16, None)
-# A category gets a threshold of its own only from this many calibration points: fewer, and its choice would
-# follow the noise of one or two prompts
-MIN_CATEGORY_POINTS = 16
+# A category gets a threshold of its own only from this many calibration prompts (and only where that threshold
+# wins on most of them and loses on none): fewer, and its choice would follow the noise of one or two prompts
+MIN_CATEGORY_PROMPTS = 4
 # The column of the better of the two at each point (``RulePoint.better_of_two``): how far from it a rule is
 CEILING = "better_of_two"
 SPLIT_NOTE = ("calibration: every other prompt of each category (the 1st, 3rd, ... in the file's order); reported: "
@@ -155,20 +157,28 @@ def _best(points: Sequence[RulePoint]) -> int | None:
     return CANDIDATE_MIN_MATCH[totals.index(max(totals))]
 
 
+def _gains_per_prompt(points: Sequence[RulePoint], rule: HybridRule, against: HybridRule) -> list[int]:
+    """Per prompt of ``points``: what ``rule`` accepts over its points minus what ``against`` does."""
+    gains: dict[str, int] = {}
+    for p in points:
+        gains[p.id] = gains.get(p.id, 0) + p.accepted(rule) - p.accepted(against)
+    return list(gains.values())
+
+
 def choose_rule(calibration: Sequence[RulePoint]) -> HybridRule:
     """The best threshold over the calibration points, and a category's own best where that category has
-    ``MIN_CATEGORY_POINTS`` calibration points and its best accepts more there than the overall choice."""
+    ``MIN_CATEGORY_PROMPTS`` calibration prompts and its best beats the overall choice on more than half of them
+    and loses on none."""
     if not calibration:
         raise ValueError("no calibration points to choose a hybrid rule on")
     overall = _best(calibration)
     per_category: dict[str, int | None] = {}
     for category in sorted({p.category for p in calibration}):
         mine = [p for p in calibration if p.category == category]
-        if len(mine) < MIN_CATEGORY_POINTS:
-            continue
         best = _best(mine)
-        gain = sum(p.accepted(HybridRule(best)) for p in mine) - sum(p.accepted(HybridRule(overall)) for p in mine)
-        if gain > 0:
+        gains = _gains_per_prompt(mine, HybridRule(best), HybridRule(overall))
+        if (len(gains) >= MIN_CATEGORY_PROMPTS and sum(g > 0 for g in gains) > len(gains) / 2
+                and min(gains) >= 0):
             per_category[category] = best
     return HybridRule(overall, per_category)
 
@@ -204,7 +214,7 @@ def measure_rules(points: Sequence[RulePoint]) -> dict[str, Any]:
         "fixed": candidate_key(DEFAULT_HYBRID_MIN_NGRAM),
         "ceiling": {"key": CEILING, "label": "the better of the two at each point (the most any rule choosing "
                                              "between them per context could accept)"},
-        "min_category_points": MIN_CATEGORY_POINTS,
+        "min_category_prompts": MIN_CATEGORY_PROMPTS,
         "split": {"how": SPLIT_NOTE,
                   "calibration": {"points": len(calibration), "prompts": len({p.id for p in calibration})},
                   "reported": {"points": len(reported), "prompts": len({p.id for p in reported})}},
