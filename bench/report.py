@@ -66,14 +66,17 @@ def readme_results() -> str:
               f"{b['full']['accepted'][key]:.2f} |" for label, key in rows]
     mt = load("mt_bench_demo_small.avx2")["figures"]
     hybrid = _per_turn(mt["hybrid_rule"]["reported"]["per_category"])
-    lines += ["", f"| MT-bench, all {mt['questions']} questions, both turns (`small` draft, never trained on) | turn 1 "
-              "| turn 2 |", "|---|---:|---:|"]
-    lines += [f"| {label}, every point | {mt[key]['turn1']['mean']:.2f} | {mt[key]['turn2']['mean']:.2f} |"
-              for label, key in (("trained draft", "draft"), ("prompt lookup (no model)", "lookup"))]
+    default_mt = b["default"].get("mt_bench")  # its demo's own evaluation, where it had MT-bench
+    lines += ["", f"| MT-bench, all {mt['questions']} questions, both turns (never trained on), turn 1 / turn 2 | "
+              "`small` | `default` |", "|---|---:|---:|"]
+    lines += [f"| {label}, every point | {mt[key]['turn1']['mean']:.2f} / {mt[key]['turn2']['mean']:.2f} | "
+              + (f"{default_mt[row]['turn1']:.2f} / {default_mt[row]['turn2']:.2f} |" if default_mt else "— |")
+              for label, key, row in (("trained draft", "draft", "trained"),
+                                      ("prompt lookup (no model)", "lookup", "lookup"))]
     lines += [f"| trained draft behind lookup, its rule measured on half the prompts, on the other half (there: "
               f"draft {hybrid['turn1']['draft_only']:.2f} / {hybrid['turn2']['draft_only']:.2f}, lookup "
               f"{hybrid['turn1']['lookup_alone']:.2f} / {hybrid['turn2']['lookup_alone']:.2f}) | "
-              f"{hybrid['turn1']['chosen']:.2f} | {hybrid['turn2']['chosen']:.2f} |"]
+              f"{hybrid['turn1']['chosen']:.2f} / {hybrid['turn2']['chosen']:.2f} | — |"]
     torch_full = b["full"]["speedup_torch"]
     best = max(llama["figures"]["drafters"][:-1], key=lambda r: r["speedup"])  # the last row is the F32 target's
     trained = next(r for r in llama["figures"]["drafters"] if r["name"] == "draft")
@@ -94,7 +97,10 @@ def readme_results() -> str:
               f"Measured on an {machine(fast)} ({b['default']['date']} to {max(r['date'] for r in b.values())}); "
               f"`small` and the AVX2 figures on an {machine(avx2)} ({small2['date']}). Acceptance is on the packaged "
               "held-out set: "
-              f"{small2['eval_points']}, {b['default']['eval_points']} and {b['full']['eval_points']} points."]
+              f"{small2['eval_points']}, {b['default']['eval_points']} and {b['full']['eval_points']} points. MT-bench: "
+              f"`small` by `bench/bench_mt_bench.py` ({mt['points']} points, {mt['scored_tokens']} target tokens "
+              "scored after each turn)"
+              + (f", `default` by its demo ({default_mt['points']} points, 128 tokens)." if default_mt else ".")]
     return "\n".join(lines)
 
 
