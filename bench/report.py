@@ -94,14 +94,19 @@ def readme_results() -> str:
               f"| `make demo` (small), the install included: AVX-512 + bf16 / AVX2-only EPYC | "
               f"{minutes(b['small']['wall_seconds'])} / {minutes(small2['wall_seconds'])} |",
               "",
-              f"Measured on an {machine(fast)} ({b['default']['date']} to {max(r['date'] for r in b.values())}); "
+              f"Measured on an {machine(fast)} ({_date_range([r['date'] for r in b.values()])}); "
               f"`small` and the AVX2 figures on an {machine(avx2)} ({small2['date']}). Acceptance is on the packaged "
               "held-out set: "
-              f"{small2['eval_points']}, {b['default']['eval_points']} and {b['full']['eval_points']} points. MT-bench: "
-              f"`small` by `bench/bench_mt_bench.py` ({mt['points']} points, {mt['scored_tokens']} target tokens "
-              "scored after each turn)"
+              f"{small2['eval_points']}, {b['default']['eval_points']} and {b['full']['eval_points']} points. "
+              f"MT-bench: `small` by `bench/bench_mt_bench.py` ({mt['points']} points, {mt['scored_tokens']} target "
+              "tokens scored after each turn)"
               + (f", `default` by its demo ({default_mt['points']} points, 128 tokens)." if default_mt else ".")]
     return "\n".join(lines)
+
+
+def _date_range(dates: list[str]) -> str:
+    first, last = min(dates), max(dates)
+    return first if first == last else f"{first} to {last}"
 
 
 def _per_turn(per_category: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
