@@ -168,6 +168,10 @@ def test_a_category_gets_its_own_rule_only_where_it_holds_prompt_by_prompt():
     # "mixed"'s summed gain is real on these points (+52), one prompt's: a rule that summed it would take it
     gain = sum(p.accepted(HybridRule(1)) - p.accepted(HybridRule(None)) for p in mixed)
     assert gain == 52
+    # where the match length tells them apart, the overall threshold does it alone: above "new"'s short matches,
+    # below "copy"'s long ones (3, the first of the tie)
+    rule = choose_rule(_prompts("new", 10, 4, model=4, lookup=0, match=2) + copy)
+    assert rule.min_match == 3 and rule.per_category == {}
     assert set(CANDIDATE_MIN_MATCH) >= {None, DEFAULT_HYBRID_MIN_NGRAM}
     with pytest.raises(ValueError, match="no calibration points"):
         choose_rule([])
