@@ -31,17 +31,18 @@ def budget_row(summary: dict, wall_with_install: float | None) -> dict:
                                         for t in sorted({t for row in acc.values() for t in row.get("at_temperature")
                                                          or {}}, key=float) if float(t) > 0},
             "speedup_torch": {name: round(row["speedup_median"], 2) for name, row in spec.items()},
-            "mt_bench": mt_bench_row(summary.get("mt_bench")),
+            "mt_bench": mt_bench_row(summary.get("mt_bench"), BUDGETS[summary["budget"]].mt_bench_eval_tokens),
             "compute": {where: {k: v for k, v in c.items() if k != "prefill" or c["compute"] == "int4"}
                         for where, c in (summary.get("compute") or {}).items()}}
 
 
-def mt_bench_row(section: dict | None) -> dict | None:
+def mt_bench_row(section: dict | None, scored_tokens: int) -> dict | None:
     """MT-bench's both turns over every point: the trained draft's and prompt lookup's mean accepted, overall and per
-    turn (None where the run had no MT-bench, or recorded no lookup beside the draft)."""
+    turn, and the target tokens the budget scores after each turn (None where the run had no MT-bench, or recorded no
+    lookup beside the draft)."""
     if not section or section.get("unavailable") or not section.get("lookup_per_category"):
         return None
-    row: dict = {"points": section["points"]}
+    row: dict = {"points": section["points"], "scored_tokens": scored_tokens}
     turns = mt_bench_turns(section)
     for name, column in (("trained", "draft"), ("lookup", "lookup")):
         cells = {f"turn{turn}": columns[column] for turn, columns in turns.items()}

@@ -100,7 +100,8 @@ def readme_results() -> str:
               f"{small2['eval_points']}, {b['default']['eval_points']} and {b['full']['eval_points']} points. "
               f"MT-bench: `small` by `bench/bench_mt_bench.py` ({mt['points']} points, {mt['scored_tokens']} target "
               "tokens scored after each turn)"
-              + (f", `default` by its demo ({default_mt['points']} points, 128 tokens)." if default_mt else ".")]
+              + (f", `default` by its demo ({default_mt['points']} points, {default_mt['scored_tokens']} tokens)."
+                 if default_mt else ".")]
     return "\n".join(lines)
 
 
