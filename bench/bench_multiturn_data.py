@@ -36,7 +36,6 @@ lookup's, and the ratios to the baseline. Each step leaves a marker in ``--work`
 
 from __future__ import annotations
 
-import random
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -51,6 +50,7 @@ from specdraft.data.corpus import heldout_path
 from specdraft.data.mt_bench import interleave_categories, read_mt_bench
 from specdraft.demo.budgets import BUDGETS
 from specdraft.demo.config import REPO_ROOT
+from specdraft.drafting.metrics import paired_difference as paired_difference_over_prompts
 from specdraft.drafting.mt_bench import write_mt_bench_points
 from specdraft.model.specs import DEFAULT_TARGET
 from specdraft.model.trace_backend import HFBackend
@@ -97,11 +97,9 @@ def accepted_by_group(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
             for name, rows in sorted(groups.items())}
 
 
-def paired_difference(report: dict[str, Any], baseline: dict[str, Any], group: str,
-                      resamples: int = 2000) -> dict[str, Any]:
+def paired_difference(report: dict[str, Any], baseline: dict[str, Any], group: str) -> dict[str, Any]:
     """The draft's mean accepted tokens minus the baseline's on the same points of ``group`` ("all" or a turn), and a
-    90% bootstrap interval over prompts (each prompt's points resampled together: points of one answer are not
-    independent)."""
+    90% bootstrap interval over prompts (``metrics.paired_difference``)."""
     def by_prompt(rep: dict[str, Any]) -> dict[str, list[int]]:
         rows: dict[str, list[int]] = defaultdict(list)
         for row in rep["per_point"]:
@@ -109,16 +107,10 @@ def paired_difference(report: dict[str, Any], baseline: dict[str, Any], group: s
                 rows[row["id"]].append(row["accepted"])
         return rows
     ours, theirs = by_prompt(report), by_prompt(baseline)
-    ids = sorted(ours)
-    sums = [(sum(ours[i]) - sum(theirs[i]), len(ours[i])) for i in ids]
-    rng = random.Random(0)
-    draws = []
-    for _ in range(resamples):
-        pick = [sums[rng.randrange(len(sums))] for _ in sums]
-        draws.append(sum(d for d, _ in pick) / sum(n for _, n in pick))
-    draws.sort()
-    return {"prompts": len(ids), "difference": round(sum(d for d, _ in sums) / sum(n for _, n in sums), 3),
-            "interval_90": [round(draws[int(0.05 * resamples)], 3), round(draws[int(0.95 * resamples)], 3)]}
+    pairs = [(i, a - b) for i in sorted(ours) for a, b in zip(ours[i], theirs[i], strict=True)]
+    out = paired_difference_over_prompts([d for _, d in pairs], [i for i, _ in pairs])
+    return {"prompts": out["prompts"], "difference": round(out["difference"], 3),
+            "interval_90": [round(v, 3) for v in out["interval_90"]]}
 
 
 def main() -> None:

@@ -243,6 +243,10 @@ def test_with_mt_bench_the_demo_evaluates_both_turns_and_summarises_them(tmp_pat
     assert ("On MT-bench (never trained on), over every point, the trained draft accepts more than prompt lookup on "
             "turn 1 (3.00 against 0.00), and less than prompt lookup on turn 2 (1.00 against 10.00).") in text
     assert "**lookup where its match >= 1**" in section and "On the other 8 points" in section
+    # the chosen rule is the better of the two in each turn: short in no group (each of 2 prompts: no interval)
+    assert ("The chosen rule accepts less than the better of the model alone and lookup alone in 0 of 4 groups "
+            "(categories and context lengths); beyond its 90% interval over prompts in 0 (4 of the groups have fewer "
+            "than 4 reported prompts: no interval).") in section
     assert "| turn 1 | 4 | 3.00 | 0.00 | 3.00 | 3.00 |" in section
     assert "| turn 2 | 4 | 1.00 | 10.00 | 10.00 | 10.00 |" in section
     assert "| turn2/writing | 4 | 1.00 | 10.00 | 10.00 | 10.00 |" in section

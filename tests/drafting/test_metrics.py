@@ -1,10 +1,11 @@
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from specdraft.drafting.lookup import LookupDrafter, lookup_draft
-from specdraft.drafting.metrics import AcceptanceStats, accepted_length
+from specdraft.drafting.metrics import AcceptanceStats, accepted_length, paired_difference
 
 
 def test_accepted_length_is_longest_common_prefix():
@@ -97,3 +98,28 @@ def test_per_category_and_context_length_are_exact_on_hand_made_points():
     assert {k: v for k, v in summary.items() if k != "per_context_length"} == {
         k: v for k, v in without.items() if k != "per_context_length"}
     assert summary["accepted_total"] == 16 and summary["points"] == 7
+
+
+def test_a_paired_difference_resamples_prompts_whole():
+    """Two prompts: one 4 points at +1, one 1 point at -2. The mean is per point; a resample takes each prompt's
+    points together: a, a (1.0), a, b (0.4) or b, b (-2.0), each end a quarter of the draws."""
+    out = paired_difference([1, 1, 1, 1, -2], ["a", "a", "a", "a", "b"], resamples=400)
+    assert out["prompts"] == 2 and out["difference"] == pytest.approx(0.4)
+    assert out["interval_90"] == [-2.0, 1.0]
+    assert not out["below"] and not out["above"]
+    assert paired_difference([-1, -3, -1, -2], ["a", "b", "c", "d"])["below"]
+    assert paired_difference([2, 1, 1, 1, 3], ["a", "b", "b", "c", "d"])["above"]
+    few = paired_difference([-1, -3, -2], ["a", "b", "c"])  # every resample below, but too few prompts to say so
+    assert few["interval_90"][1] < 0 and not few["below"]
+    with pytest.raises(ValueError):
+        paired_difference([1], ["a", "b"])
+
+
+@given(st.lists(st.tuples(st.integers(-16, 16), st.sampled_from("abcde")), min_size=1, max_size=30))
+def test_a_paired_difference_lies_within_its_extremes(rows):
+    out = paired_difference([d for d, _ in rows], [p for _, p in rows], resamples=50)
+    per_prompt: dict = {}
+    for d, p in rows:
+        per_prompt.setdefault(p, []).append(d)
+    means = [sum(v) / len(v) for v in per_prompt.values()]
+    assert min(means) - 1e-9 <= out["interval_90"][0] <= out["interval_90"][1] <= max(means) + 1e-9

@@ -406,6 +406,10 @@ def test_run_eval_chooses_the_hybrid_rule_on_half_the_prompts(tiny_qwen3_dir, tm
     md = (out / "report.md").read_text()
     assert "the rule measured" in md and "## Per context length" in md and "| <256 |" in md
     assert "the better of the two per point" in md
+    # the chosen rule against the better of the two: lookup in "copy", the model in "new", each of 2 prompts
+    against = section["reported"]["per_category"]["copy"]["against_better"]
+    assert against["better"] == "lookup_alone" and against["prompts"] == 2 and not against["below"]
+    assert "(2 prompt(s): no interval) against lookup" in md and "beyond its 90% interval over prompts in 0" in md
     assert (out / "acceptance_per_context_length.png").is_file()
     for bad in (dict(lookup=True), dict(model_dir=tiny_qwen3_dir, hybrid_min_ngram=2)):
         with pytest.raises(ValueError, match="--choose-hybrid-rule"):

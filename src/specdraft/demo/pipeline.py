@@ -23,6 +23,7 @@ from specdraft.demo.config import DemoConfig
 from specdraft.demo.plan import plan
 from specdraft.demo.steps import STAGES, STEPS, Run
 from specdraft.drafting.hybrid import DEFAULT_HYBRID_MIN_NGRAM
+from specdraft.drafting.hybrid_rule import AGAINST_BETTER, against_better_groups
 from specdraft.drafting.prediction import TargetCosts, ceiling
 from specdraft.drafting.spec import DrafterSpec
 from specdraft.model.compat import check_pipeline_models
@@ -233,6 +234,9 @@ def rule_summary(section: dict | None) -> dict | None:
                 for name, key in keys.items()}
     return {"chosen": section["chosen"], "chosen_words": section["chosen_words"], "split": section["split"],
             "fixed_label": section["candidates"][section["fixed"]]["label"],
+            # the chosen rule against the better of the two per group, where the record has it (older ones do not)
+            "against_better": against_better_groups(reported)
+            if reported and AGAINST_BETTER in reported["overall"] else None,
             "reported": {"overall": columns(reported["overall"]),
                          "per_category": {c: columns(r) for c, r in reported["per_category"].items()},
                          "per_context_length": {b: columns(r) for b, r in reported["per_context_length"].items()}}

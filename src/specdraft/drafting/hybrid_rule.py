@@ -14,8 +14,10 @@ most of the category's calibration prompts and loses on none. A category's point
 threshold that wins their sum through one of them tends to lose on the next few (docs/history.md, "A category's
 own rule"). ``measure_rules`` scores every candidate and the chosen rule on the other prompts only, so a choice is
 never reported on the points that made it, beside the better of the two at each point: the ceiling of any rule that
-picks one of them per context, however it decides. The chosen ``HybridRule`` is data (``to_json`` / ``from_json``) that
-``HybridDrafter`` applies: its overall threshold wherever a context's category is unknown (a served request).
+picks one of them per context, however it decides; and per group against the better of the model alone and lookup
+alone there, with a 90% interval over prompts: a group of a few prompts falls short of it by noise alone. The
+chosen ``HybridRule`` is data (``to_json`` / ``from_json``) that ``HybridDrafter`` applies: its overall threshold
+wherever a context's category is unknown (a served request).
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from typing import Any, Mapping, Sequence
 
 from specdraft.core.records import ValidationPoint
 from specdraft.drafting.lookup import MAX_NGRAM, lookup_match
-from specdraft.drafting.metrics import CONTEXT_BUCKETS, accepted_length, context_bucket, group_summary
+from specdraft.drafting.metrics import (
+    CONTEXT_BUCKETS,
+    accepted_length,
+    context_bucket,
+    group_summary,
+    paired_difference,
+)
 
 DEFAULT_HYBRID_MIN_NGRAM = 2
 # The thresholds tried, most lookup first (a tie goes to the rule that drafts more for free); None: never lookup
@@ -35,6 +43,8 @@ CANDIDATE_MIN_MATCH: tuple[int | None, ...] = (1, 2, 3, 4, 8, 16, None)
 MIN_CATEGORY_PROMPTS = 4
 # The column of the better of the two at each point (``RulePoint.better_of_two``): how far from it a rule is
 CEILING = "better_of_two"
+# The chosen rule against the better of the model alone and lookup alone over a group (``against_better``)
+AGAINST_BETTER = "against_better"
 SPLIT_NOTE = ("calibration: every other prompt of each category (the 1st, 3rd, ... in the file's order); reported: "
               "the others. The rule is chosen on the calibration prompts alone and scored on the reported ones.")
 
@@ -183,15 +193,33 @@ def choose_rule(calibration: Sequence[RulePoint]) -> HybridRule:
     return HybridRule(overall, per_category)
 
 
+def against_better(points: Sequence[RulePoint], rule: HybridRule) -> dict[str, Any]:
+    """``rule`` against the better of the model alone and lookup alone over ``points`` (the one with more
+    accepted; the model on a tie): the mean difference per point and its 90% interval over prompts
+    (``metrics.paired_difference``), so that a group's shortfall can be told from its few prompts' noise."""
+    model, lookup = sum(p.model for p in points), sum(p.lookup for p in points)
+    better = "lookup_alone" if lookup > model else "draft_only"
+    other = HybridRule(None) if better == "draft_only" else None
+    return {"better": better, **paired_difference([p.accepted(rule) - p.accepted(other) for p in points],
+                                                  [p.id for p in points])}
+
+
+def against_better_groups(reported: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """A record's ``against_better`` cell for every reported category and context length, by group."""
+    return {name: row[AGAINST_BETTER] for name, row in {**reported["per_category"],
+                                                         **reported["per_context_length"]}.items()}
+
+
 def _table(points: Sequence[RulePoint], chosen: HybridRule | None) -> dict[str, Any]:
-    """Every candidate, lookup alone and (given) the chosen rule and the ceiling over ``points``: overall, per
-    category and per context-length bucket."""
+    """Every candidate, lookup alone and (given) the chosen rule, the ceiling and the chosen rule against the
+    better of the two over ``points``: overall, per category and per context-length bucket."""
     def row(group: Sequence[RulePoint]) -> dict[str, Any]:
         out = {"lookup_alone": _score(group, None)}
         out.update({candidate_key(t): _score(group, HybridRule(t)) for t in CANDIDATE_MIN_MATCH})
         if chosen is not None:
             out["chosen"] = _score(group, chosen)
             out[CEILING] = group_summary([p.better_of_two for p in group], [p.id for p in group])
+            out[AGAINST_BETTER] = against_better(group, chosen)
         return out
     categories = sorted({p.category for p in points})
     buckets = [label for label, _ in CONTEXT_BUCKETS if any(context_bucket(p.context_tokens) == label for p in points)]

@@ -10,9 +10,10 @@ context, a draft model where the answer is new text.
 
 from __future__ import annotations
 
+import random
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 # Context-length buckets, in tokens of the evaluation point's context: (label, lower bound inclusive), ascending.
 # Declared once; the eval record and report, and the demo's summary, read their labels from here.
@@ -38,6 +39,36 @@ def group_summary(lengths: Sequence[int], prompts: Sequence[str]) -> dict[str, f
     return {"points": len(lengths), "prompts": len(per_prompt), "accepted_total": sum(lengths),
             "mean_accepted": sum(lengths) / len(lengths) if lengths else 0.0,
             "mean_accepted_per_prompt": sum(means) / len(means) if means else 0.0}
+
+
+# Prompts a paired difference needs before its bootstrap interval says anything: resampling fewer gives a handful of
+# distinct means, and one prompt's points only its own
+MIN_INTERVAL_PROMPTS = 4
+
+
+def paired_difference(differences: Sequence[int | float], prompts: Sequence[str], resamples: int = 2000,
+                      seed: int = 0) -> dict[str, Any]:
+    """The mean of per-point ``differences`` (one drafter's accepted length minus another's at the same points) and
+    its 90% bootstrap interval over prompts: a prompt's points are resampled together, as the points of one answer
+    are not independent. ``below`` / ``above``: from ``MIN_INTERVAL_PROMPTS`` prompts, the whole interval is under /
+    over zero (with fewer, neither is claimed)."""
+    if len(differences) != len(prompts) or not differences:
+        raise ValueError(f"paired_difference: {len(differences)} differences for {len(prompts)} prompt ids")
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for d, pid in zip(differences, prompts):
+        sums[pid][0] += d
+        sums[pid][1] += 1
+    per_prompt = list(sums.values())
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(resamples):
+        pick = [per_prompt[rng.randrange(len(per_prompt))] for _ in per_prompt]
+        draws.append(sum(d for d, _ in pick) / sum(n for _, n in pick))
+    draws.sort()
+    low, high = draws[int(0.05 * resamples)], draws[int(0.95 * resamples)]
+    enough = len(per_prompt) >= MIN_INTERVAL_PROMPTS
+    return {"prompts": len(per_prompt), "difference": sum(differences) / len(differences),
+            "interval_90": [low, high], "below": enough and high < 0, "above": enough and low > 0}
 
 
 def accepted_length(draft: Sequence[int], target: Sequence[int]) -> int:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specdraft.reports.eval import shortfall_words
+
 # The measured results the summary quotes (bench/results/<name>.<cpu class>.json): what each budget reaches, and
 # the speed in llama.cpp
 REFERENCE_BENCHES = {"demo": "demo", "llama_cpp": "llamacpp_speed"}
@@ -357,6 +359,8 @@ def hybrid_rule_lines(rule: dict | None, where: str) -> list[str]:
         overall = reported["overall"]
         line += (f" On the other {split['reported']['points']} points, accepted of 16: "
                  + ", ".join(f"{RULE_HEADINGS[name]} {_mean(cell)}" for name, cell in overall.items()) + ".")
+        if rule.get("against_better"):
+            line += " " + shortfall_words(rule["against_better"])
     else:
         line += " No prompt is left to report it on (every category has a single prompt here)."
     return ["", line]

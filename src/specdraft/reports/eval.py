@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from specdraft.core import plots
+from specdraft.drafting.hybrid_rule import AGAINST_BETTER, against_better_groups
+from specdraft.drafting.metrics import MIN_INTERVAL_PROMPTS
 
 
 def report_markdown(report: Mapping[str, Any], title: str = "Draft acceptance") -> str:
@@ -99,18 +101,46 @@ def hybrid_rule_markdown(section: Mapping[str, Any] | None, k: int) -> list[str]
     columns = [*RULE_COLUMNS, (fixed, candidates[fixed]["label"]), ("chosen", "the chosen rule")]
     if section.get("ceiling"):  # older records lack it
         columns.append((section["ceiling"]["key"], "the better of the two per point (a ceiling for any rule)"))
-    header = ["| {what} | points | " + " | ".join(h for _, h in columns) + " |",
-              "|---|---|" + "---|" * len(columns)]
+    against = AGAINST_BETTER in reported["overall"]  # older records lack it
+    header = ["| {what} | points | " + " | ".join(h for _, h in columns)
+              + (" | the chosen rule minus the better of the model and lookup (90% interval over prompts)"
+                 if against else "") + " |",
+              "|---|---|" + "---|" * (len(columns) + against)]
 
     def rows(groups: Mapping[str, Mapping[str, Any]]) -> list[str]:
         return [f"| {name} | {row['chosen']['points']} | "
-                + " | ".join(f"{row[key]['mean_accepted']:.3f}" for key, _ in columns) + " |"
+                + " | ".join(f"{row[key]['mean_accepted']:.3f}" for key, _ in columns)
+                + (f" | {against_better_words(row[AGAINST_BETTER])}" if against else "") + " |"
                 for name, row in groups.items()]
     lines += ["", f"On the reported prompts, mean accepted (of {k}):", "",
               header[0].format(what="category"), header[1]]
     lines += rows({"all": reported["overall"], **reported["per_category"]})
     lines += ["", header[0].format(what="context"), header[1]] + rows(reported["per_context_length"])
+    if against:
+        lines += ["", shortfall_words(against_better_groups(reported))]
     return lines
+
+
+def against_better_words(cell: Mapping[str, Any]) -> str:
+    low, high = cell["interval_90"]
+    better = "lookup" if cell["better"] == "lookup_alone" else "model"
+    interval = (f"{low:+.2f} to {high:+.2f}" if cell["prompts"] >= MIN_INTERVAL_PROMPTS
+                else f"{cell['prompts']} prompt(s): no interval")
+    return f"{cell['difference']:+.2f} ({interval}) against {better}" + (" **below**" if cell["below"] else "")
+
+
+def shortfall_words(groups: Mapping[str, Mapping[str, Any]]) -> str:
+    """From each reported group's ``against_better`` cell (categories and context lengths): in how many the chosen
+    rule accepts less than the better of the model alone and lookup alone, and in how many the whole 90% interval is
+    below (beyond the noise of their few prompts)."""
+    short = [name for name, cell in groups.items() if cell["difference"] < 0]
+    below = [name for name, cell in groups.items() if cell["below"]]
+    few = sum(cell["prompts"] < MIN_INTERVAL_PROMPTS for cell in groups.values())
+    return (f"The chosen rule accepts less than the better of the model alone and lookup alone in {len(short)} of "
+            f"{len(groups)} groups (categories and context lengths); beyond its 90% interval over prompts in "
+            f"{len(below)}" + (f": {', '.join(below)}" if below else "")
+            + (f" ({few} of the groups {'has' if few == 1 else 'have'} fewer than {MIN_INTERVAL_PROMPTS} reported "
+               "prompts: no interval)." if few else "."))
 
 
 def compute_words(choice: Mapping[str, Any] | None) -> str:
