@@ -4,6 +4,7 @@ llama.cpp's llama-server with its prompt cache, or with and without ending draft
   .venv/bin/python bench/bench_server_loop.py                      # the stand-in draft, SmolLM2-135M-Instruct target
   .venv/bin/python bench/bench_server_loop.py --tiny --new-tokens 48   # tiny random models: a quick check
   .venv/bin/python bench/bench_server_loop.py --draft-dir runs/demo/model --turn 2 --name server_loop_turn2
+  .venv/bin/python bench/bench_server_loop.py --draft-dir runs/demo/model --conversation --name server_loop_conversation
   .venv/bin/python bench/bench_server_loop.py --draft-dir runs/demo/model --stop-confidence 0.4 \
       --settings reuse stop_0.4 llama_server --name server_loop_stop   # drafts that stop, against full drafts
   .venv/bin/python bench/bench_server_loop.py --draft-dir runs/demo/model --loops 16 --prompts-per-loop 1 \
@@ -17,7 +18,10 @@ replay costs the server's time only, and every setting sees the target's exact t
 Prompts: --prompts-file (default ../shared/data/dev/mt_bench.jsonl, a public set nobody here trains on), else the
 package's held-out prompts, in the target's chat template. --turn 1 (default): each question's first turn. --turn 2:
 the conversation a chat client sends for the second question -- the first question, the target's own greedy first
-answer (at most --first-answer-tokens), the second question -- so contexts are several hundred tokens long. The
+answer (at most --first-answer-tokens), the second question -- so contexts are several hundred tokens long, and
+each prompt reaches the server cold. --conversation: both turns in one loop, as a chat client holds the conversation
+-- the first answer generated through the loop (at most --first-answer-tokens), then the second question asked after
+it and --new-tokens of its answer -- so the second turn's context extends what the server saw in the first. The
 draft: --draft-dir, or the stand-in bench_server.py builds (the target's first --standin-layers layers, packed
 QD04); with --tiny, a tiny random Qwen3 as the target and itself packed as the draft.
 
@@ -163,19 +167,22 @@ def ensure_gguf(args, draft_dir: Path) -> Path:
 
 
 def load_questions(args, count: int) -> tuple[list[tuple[str, ...]], str]:
-    """Each question's turns (one, or both for --turn 2) and where they come from."""
+    """Each question's turns (one, or both for --turn 2 and --conversation) and where they come from."""
     path = Path(args.prompts_file)
     if path.is_file():
-        return [q.turns[:args.turn] for q in read_mt_bench(path)][:count], f"{path.name} (turn {args.turn})"
-    if args.turn == 2:
-        raise SystemExit(f"--turn 2 needs an MT-bench file with second turns; {path} is not there")
+        which = "both turns in one loop" if args.conversation else f"turn {args.turn}"
+        return [q.turns[:2 if args.conversation else args.turn] for q in read_mt_bench(path)][:count], \
+            f"{path.name} ({which})"
+    if args.turn == 2 or args.conversation:
+        raise SystemExit(f"--turn 2 and --conversation need an MT-bench file with second turns; {path} is not there")
     rows = [json.loads(line) for line in heldout_path().read_text().splitlines() if line.strip()]
     return [(r["prompt"],) for r in rows][:count], "the package's held-out prompts"
 
 
-def target_runs(args, target: str, questions: list[tuple[str, ...]]) -> list[dict[str, list[int]]]:
+def target_runs(args, target: str, questions: list[tuple[str, ...]]) -> list[dict[str, Any]]:
     """[{prompt_ids, target_ids}]: each prompt in the chat template (for a second turn, the conversation with the
-    target's own first answer) and the target's greedy continuation (cached in --work)."""
+    target's own first answer) and the target's greedy continuation (cached in --work). With --conversation, each
+    question's [{segments: [first turn, second turn]}], the first turn's target tokens its first answer."""
     import torch
 
     from specdraft.data.mt_bench import MTBenchQuestion
@@ -183,15 +190,17 @@ def target_runs(args, target: str, questions: list[tuple[str, ...]]) -> list[dic
     from specdraft.model.decode import greedy_decode
     from specdraft.model.specs import load_model, load_tokenizer
 
-    key = f"{target}|{args.new_tokens}|{args.first_answer_tokens if args.turn == 2 else ''}|{json.dumps(questions)}"
+    two = args.turn == 2 or args.conversation
+    key = (f"{target}|{args.new_tokens}|{args.first_answer_tokens if two else ''}|"
+           f"{'conversation|' if args.conversation else ''}{json.dumps(questions)}")
     cache = Path(args.work) / "loop_targets.json"
     stored = json.loads(cache.read_text()) if cache.is_file() else {}
     if key in stored:
         return stored[key]
     tok = load_tokenizer(target)
     model = load_model(target, torch.float32)
-    prompts = encode_prompts(tok, [q[0] for q in questions])
-    if args.turn == 2:
+    first = prompts = encode_prompts(tok, [q[0] for q in questions])
+    if two:
         log.info("greedy-decoding %d first answers x %d tokens with the target", len(prompts), args.first_answer_tokens)
         answers = greedy_decode(model, prompts, args.first_answer_tokens, batch_size=8)
         prompts = [second_turn_context(tok, MTBenchQuestion(str(i), "loop", (q[0], q[1])), a.tokens)
@@ -199,6 +208,9 @@ def target_runs(args, target: str, questions: list[tuple[str, ...]]) -> list[dic
     log.info("greedy-decoding %d prompts x %d tokens with the target", len(prompts), args.new_tokens)
     gens = greedy_decode(model, prompts, args.new_tokens, batch_size=8)
     stored[key] = [{"prompt_ids": p, "target_ids": g.tokens} for p, g in zip(prompts, gens)]
+    if args.conversation:
+        stored[key] = [{"segments": [{"prompt_ids": p, "target_ids": a.tokens}, second]}
+                       for p, a, second in zip(first, answers, stored[key])]
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(stored))
     return stored[key]
@@ -310,6 +322,22 @@ class LlamaLoopServer:
 
 # ---------------------------------------------------------------------------------------------- the loop
 
+def segments(run: dict[str, Any]) -> list[dict[str, list[int]]]:
+    """A run's prompts in the order one loop sends them: a conversation's turns, else the one prompt."""
+    return run.get("segments", [run])
+
+
+def speculate_run(server, run: dict[str, Any], num_draft: int, calls: list[dict[str, Any]]) -> int:
+    """A run's prompts one after the other in one loop (each call tagged with its turn); the tokens generated."""
+    tokens = 0
+    for turn, segment in enumerate(segments(run), 1):
+        first = len(calls)
+        tokens += speculate(server, segment, num_draft, calls)
+        for call in calls[first:]:
+            call["turn"] = turn
+    return tokens
+
+
 def speculate(server, run: dict[str, list[int]], num_draft: int, calls: list[dict[str, Any]]) -> int:
     """One prompt's loop to the end of the target's tokens; appends each call; returns the tokens generated."""
     prompt, target = run["prompt_ids"], run["target_ids"]
@@ -340,7 +368,7 @@ def run_loops(server, runs: list[dict], loops: int, num_draft: int) -> tuple[lis
     calls: list[dict[str, Any]] = []
     with RssSampler(server.pid, every=0.5) as rss, ThreadPoolExecutor(loops) as pool:
         started = time.perf_counter()
-        tokens = sum(pool.map(lambda i: sum(speculate(server, run, num_draft, calls) for run in runs[i::loops]),
+        tokens = sum(pool.map(lambda i: sum(speculate_run(server, run, num_draft, calls) for run in runs[i::loops]),
                               range(loops)))
         wall = time.perf_counter() - started
     return calls, tokens, wall, rss
@@ -352,9 +380,10 @@ def run_level(args, draft_dir: Path, runs: list[dict], warmup: dict, loops: int,
     log_path = Path(args.work) / f"server-loop-{loops}-{name}.log"
     cache: dict[str, Any] = {}
     if setting.server == LLAMA:
-        slot_context = max(len(r["prompt_ids"]) + len(r["target_ids"]) for r in [*runs, warmup]) + 2 * args.num_draft
+        slot_context = max(len(s["prompt_ids"]) + len(s["target_ids"])
+                           for r in [*runs, warmup] for s in segments(r)) + 2 * args.num_draft
         with LlamaLoopServer(args, args.gguf, loops, slot_context, log_path) as server:
-            speculate(server, warmup, args.num_draft, [])
+            speculate_run(server, warmup, args.num_draft, [])
             calls, tokens, wall, rss = run_loops(server, runs, loops, args.num_draft)
         reused, computed = (sum(c[k] or 0 for c in calls) for k in ("reused", "computed"))
         server_info = {"build_info": server.props.get("build_info"), "argv": server.peer.argv}
@@ -364,7 +393,7 @@ def run_level(args, draft_dir: Path, runs: list[dict], warmup: dict, loops: int,
         with SpecdraftLoopServer(draft_dir, extra, setting.fields, log_path, args.start_timeout) as server:
             if not setting.llama_engine:
                 compute_args = server.compute_args()
-            speculate(server, warmup, args.num_draft, [])
+            speculate_run(server, warmup, args.num_draft, [])
             before = server.counters()
             server.start_sampling()
             calls, tokens, wall, rss = run_loops(server, runs, loops, args.num_draft)
@@ -387,6 +416,14 @@ def run_level(args, draft_dir: Path, runs: list[dict], warmup: dict, loops: int,
                "context_tokens_reused": reused, "context_tokens_computed": computed,
                "rss_mb_peak": rss.peak_mb, "rss_mb_end": rss.samples[-1][1] if rss.samples else None,
                **cache, **server_info, "drafts": {c["key"]: c["draft"] for c in calls}}
+    if args.conversation:  # each turn's own share: the second turn's calls start from what the first left
+        figures["by_turn"] = {
+            turn: {"calls": len(mine), "generated_tokens": generated,
+                   "ms_per_token": 1000 * sum(c["seconds"] for c in mine) / generated,
+                   "p50_ms": 1000 * percentile([c["seconds"] for c in mine], 50),
+                   "p99_ms": 1000 * percentile([c["seconds"] for c in mine], 99)}
+            for turn in (1, 2) for mine in [[c for c in calls if c["turn"] == turn]]
+            for generated in [sum(len(segments(r)[turn - 1]["target_ids"]) for r in runs)]}
     log.info("%d loop(s), %s: %.1f ms per generated token, p50 %.0f ms, p99 %.0f ms, %d calls, reused %d / "
              "computed %d context tokens, peak RSS %.0f MB", loops, name, figures["ms_per_token"],
              figures["p50_ms"], figures["p99_ms"], len(calls), reused, computed, rss.peak_mb or 0)
@@ -437,7 +474,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts-file", default=str(MT_BENCH), help="MT-bench JSONL (question_id, category, turns)")
     p.add_argument("--turn", type=int, choices=(1, 2), default=1, help="1: first questions; 2: second questions "
                    "after the target's own first answers")
-    p.add_argument("--first-answer-tokens", type=int, default=256, help="--turn 2: the first answer's most tokens")
+    p.add_argument("--first-answer-tokens", type=int, default=256,
+                   help="--turn 2, --conversation: the first answer's most tokens")
+    p.add_argument("--conversation", action="store_true", help="both turns of each question in one loop, the "
+                   "first answer generated through the loop (--turn is then not used)")
     p.add_argument("--loops", type=int, nargs="+", default=[1, 4], help="loops side by side, per level")
     p.add_argument("--prompts-per-loop", type=int, default=2, help="prompts each loop works through")
     p.add_argument("--new-tokens", type=int, default=96, help="target tokens generated per prompt")
@@ -494,11 +534,14 @@ def main(argv: list[str] | None = None) -> int:
                                                   loops, settings[name], name, compute_args)
         compare(level, {name: level[name].pop("drafts") for name in names}, "reuse")
         levels.append(level)
-    figures = {"draft": what, "draft_dir": str(draft_dir), "target": target, "prompts": source, "turn": args.turn,
+    sent = [s for r in runs for s in segments(r)]
+    figures = {"draft": what, "draft_dir": str(draft_dir), "target": target, "prompts": source,
+               "turn": "conversation" if args.conversation else args.turn,
+               "first_answer_tokens": args.first_answer_tokens if args.conversation or args.turn == 2 else None,
                "new_tokens": args.new_tokens, "num_draft": args.num_draft, "prompts_per_loop": args.prompts_per_loop,
                "threads": args.threads, "serve_args": args.serve_args,
-               "mean_prompt_tokens": statistics.mean(len(r["prompt_ids"]) for r in runs),
-               "mean_target_tokens": statistics.mean(len(r["target_ids"]) for r in runs),
+               "mean_prompt_tokens": statistics.mean(len(s["prompt_ids"]) for s in sent),
+               "mean_target_tokens": statistics.mean(len(s["target_ids"]) for s in sent),
                "server_args": {k: [*v.args, *shlex.split(args.serve_args)] if v.server == SPECDRAFT else []
                                for k, v in settings.items()},
                "servers": {k: v.server for k, v in settings.items()},

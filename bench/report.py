@@ -64,7 +64,9 @@ def readme_results() -> str:
     lines = ["| accepted of 16 greedy draft tokens | `small` | `default` | `full` |", "|---|---:|---:|---:|"]
     lines += [f"| {label} | {small2['accepted'][key]:.2f} | {b['default']['accepted'][key]:.2f} | "
               f"{b['full']['accepted'][key]:.2f} |" for label, key in rows]
-    mt = load("mt_bench_demo_small.avx2")["figures"]
+    # the small budget on all 80 questions, its hybrid rule chosen as eval chooses it now (AVX-512's small pack)
+    mt_result = load("mt_bench_demo_small.avx512-bf16")
+    mt = mt_result["figures"]
     hybrid = _per_turn(mt["hybrid_rule"]["reported"]["per_category"])
     default_mt = b["default"].get("mt_bench")  # its demo's own evaluation, where it had MT-bench
     lines += ["", f"| MT-bench, all {mt['questions']} questions, both turns (never trained on), turn 1 / turn 2 | "
@@ -98,8 +100,9 @@ def readme_results() -> str:
               f"`small` and the AVX2 figures on an {machine(avx2)} ({small2['date']}). Acceptance is on the packaged "
               "held-out set: "
               f"{small2['eval_points']}, {b['default']['eval_points']} and {b['full']['eval_points']} points. "
-              f"MT-bench: `small` by `bench/bench_mt_bench.py` ({mt['points']} points, {mt['scored_tokens']} target "
-              "tokens scored after each turn)"
+              f"MT-bench: `small` by `bench/bench_mt_bench.py` with the "
+              f"{CLASS_NAMES[mt_result['machine']['cpu_class']]} EPYC's own `small` draft ({mt['points']} points, "
+              f"{mt['scored_tokens']} target tokens scored after each turn, {mt_result['date']})"
               + (f", `default` by its demo ({default_mt['points']} points, {default_mt['scored_tokens']} tokens)."
                  if default_mt else ".")]
     return "\n".join(lines)
@@ -139,9 +142,19 @@ def _readme_loop_rows() -> list[str]:
               "llama_engine": f"the same, {llama}",
               f"llama_engine_stop_{LOOP_STOP}": f"the same, llama.cpp engine, drafts that stop below confidence "
                                                 f"{LOOP_STOP} (`stop_confidence`)"}
-    return [f"| {label} | " + "; ".join(" / ".join(x(_loop_ratio(lv, name, "llama_server")) for lv in levels[cls])
+    rows = [f"| {label} | " + "; ".join(" / ".join(x(_loop_ratio(lv, name, "llama_server")) for lv in levels[cls])
                                         for cls, _ in classes) + " |"
             for name, label in labels.items()]
+    # whole conversations: the second turn's context extends what the server saw in the first (where measured)
+    for cls, name in (("avx2", "an AVX2-only EPYC"), ("avx512-bf16", "an AVX-512 + bf16 EPYC")):
+        if (RESULTS / f"server_loop_demo_conversation.{cls}.json").is_file():
+            fig = load(f"server_loop_demo_conversation.{cls}")["figures"]
+            level = fig["levels"][0]
+            rows.append(f"| the same over whole MT-bench conversations (both turns in one loop), {level['loops']} "
+                        f"loop, on {name}: llama.cpp engine / drafts that stop below confidence {LOOP_STOP} | "
+                        f"{x(_loop_ratio(level, 'llama_engine', 'llama_server'))} / "
+                        f"{x(_loop_ratio(level, f'llama_engine_stop_{LOOP_STOP}', 'llama_server'))} |")
+    return rows
 
 
 def readme_demo_time() -> str:
@@ -298,6 +311,10 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
                               for n in against_peer)
                   + "".join(f"; {_loop_short_label(n)}, without reuse against "
                             "with: " + " / ".join(x(_loop_ratio(lv, n, b)) for lv in levels) for n, b in without))
+        if fig.get("turn") == "conversation" and peer == "llama_server":  # the second turn after the first, not cold
+            figure += "".join(f"; the second turn's tokens alone, {_loop_short_label(n)}: " + " / ".join(
+                x(lv[n]["by_turn"]["2"]["ms_per_token"] / lv[peer]["by_turn"]["2"]["ms_per_token"]) for lv in levels)
+                for n in against_peer if n.startswith("llama_engine_stop_"))
         rows.append((f"`specdraft serve` in a speculation loop ({_loop_draft(fig)}, {_loop_prompts(fig)}): server "
                      f"time per generated token, {loops} loop(s) (below 1: cheaper)", figure,
                      where(result, result['date']), path.name))
@@ -354,6 +371,9 @@ def _loop_draft(fig: dict[str, Any]) -> str:
 
 
 def _loop_prompts(fig: dict[str, Any]) -> str:
+    if fig.get("turn") == "conversation":
+        return (f"MT-bench conversations, both turns in one loop, the first answer's {fig['first_answer_tokens']} "
+                f"tokens generated through it, then {fig['new_tokens']} of the second")
     turn = "second turns after the target's first answers" if fig.get("turn") == 2 else "first turns"
     return f"MT-bench {turn}, {fig['mean_prompt_tokens']:.0f}-token prompts"
 
@@ -462,7 +482,7 @@ def server_loop_tables() -> str:
     for path in sorted(RESULTS.glob("server_loop*.json")):
         result = json.loads(path.read_text())
         fig = result["figures"]
-        if fig["levels"][-1]["loops"] >= SOAK_LOOPS or fig.get("turn") == 2:
+        if fig["levels"][-1]["loops"] >= SOAK_LOOPS or fig.get("turn") in (2, "conversation"):
             continue
         base, compared = _loop_settings(fig)
         draft = _loop_draft(fig)
@@ -530,29 +550,35 @@ def multiturn_tables() -> str:
 def _rule_words(chosen: dict[str, Any]) -> str:
     threshold, own = chosen["min_match"], chosen.get("per_category") or {}
     return (("the draft everywhere" if threshold is None else f"lookup where its match >= {threshold}")
-            + (f", {len(own)} categories a threshold of their own" if own else ""))
+            + ("".join(f", {c} {'the draft' if t is None else f'>= {t}'}" for c, t in sorted(own.items()))
+               if len(own) <= 2 else f", {len(own)} categories a threshold of their own"))
 
 
 def mt_bench_tables() -> str:
-    """Per MT-bench result: the draft and lookup over every point per turn and category, the hybrid's rule and what
-    it accepts on the prompts it was not chosen on."""
+    """Every MT-bench result in one table (a column each: the draft and lookup over every point per turn and
+    category), each result's hybrid rule and what it accepts on the prompts it was not chosen on."""
+    results = [(path, json.loads(path.read_text())) for path in sorted(RESULTS.glob("mt_bench_*.json"))]
+    if not results:
+        return "(no MT-bench results yet: `bench/bench_mt_bench.py`)"
     out: list[str] = []
-    for path in sorted(RESULTS.glob("mt_bench_*.json")):
-        result = json.loads(path.read_text())
+    for n, (path, result) in enumerate(results, 1):
         fig = result["figures"]
         rule, reported = fig["hybrid_rule"], fig["hybrid_rule"]["reported"]["overall"]
-        out += [f"{machine(result)}, {result['date']}, `{result['command']}` "
-                f"([{path.name}](bench/results/{path.name})): `{fig['model_dir']}` on {fig['questions']} questions, "
-                f"{fig['points']} points. The hybrid's rule, "
-                f"chosen on {rule['split']['calibration']['points']} points: {_rule_words(rule['chosen'])}; on the "
-                f"other {rule['split']['reported']['points']}: draft "
-                f"{reported['draft_only']['mean_accepted']:.2f}, lookup {reported['lookup_alone']['mean_accepted']:.2f}"
-                f", hybrid {reported['chosen']['mean_accepted']:.2f}.", "",
-                "| prompts | points | trained draft | prompt lookup |", "|---|---:|---:|---:|"]
-        out += [f"| {name} | {cell['points']} | {cell['mean']:.2f} | {fig['lookup'][name]['mean']:.2f} |"
-                for name, cell in fig["draft"].items()]
-        out.append("")
-    return "\n".join(out).rstrip() if out else "(no MT-bench results yet: `bench/bench_mt_bench.py`)"
+        draft, lookup, hybrid = (reported[k]["mean_accepted"] for k in ("draft_only", "lookup_alone", "chosen"))
+        out.append(f"{n}. {machine(result)}, {result['date']}, `{result['command']}` "
+                   f"([{path.name}](bench/results/{path.name})): `{fig['model_dir']}` on {fig['questions']} questions, "
+                   f"{fig['points']} points. The hybrid's rule, chosen on {rule['split']['calibration']['points']} "
+                   f"points: {_rule_words(rule['chosen'])}; on the other {rule['split']['reported']['points']}: draft "
+                   f"{draft:.2f}, lookup {lookup:.2f}, hybrid {hybrid:.2f}.")
+    out += ["", "| prompts | points | " + " | ".join(f"{n}: trained draft / prompt lookup"
+                                                    for n in range(1, len(results) + 1)) + " |",
+            "|---|---:|" + "---:|" * len(results)]
+    first = results[0][1]["figures"]
+    for name, cell in first["draft"].items():
+        out.append(f"| {name} | {cell['points']} | " + " | ".join(
+            f"{r['figures']['draft'][name]['mean']:.2f} / {r['figures']['lookup'][name]['mean']:.2f}"
+            for _, r in results) + " |")
+    return "\n".join(out)
 
 
 BLOCKS: dict[Path, dict[str, Callable[[], str]]] = {
