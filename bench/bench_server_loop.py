@@ -41,7 +41,8 @@ settings take turns going first from one level to the next. specdraft's compute 
 
 With --stop-confidence T [T ...] there is also a setting `stop_T` for each T: reuse on, and every request carries
 `"stop_confidence": T`, so a draft ends after its first token whose confidence is below T, and the server spends no
-decode steps on the rest. It reports the tokens drafted per call, the share of calls stopped early, and the share of
+decode steps on the rest (`llama_engine_stop_T` likewise in the llama.cpp engine, `no_reuse_stop_T` without the
+prefix cache). It reports the tokens drafted per call, the share of calls stopped early, and the share of
 the contexts it and `reuse` both sent where its draft is `reuse`'s draft's prefix (bit for bit, as the server
 promises).
 
@@ -120,9 +121,12 @@ REUSE_SETTINGS = {"reuse": Setting(), "no_reuse": Setting(args=("--prefix-cache-
 
 def stop_settings(thresholds: list[float]) -> dict[str, Setting]:
     """For each threshold, drafts that stop (with the server's default prefix cache, like ``reuse``), in torch and
-    in the llama.cpp engine."""
+    in the llama.cpp engine, and in torch without the cache (``no_reuse_stop_T``: what reuse saves when drafts
+    stop, their decode steps no longer the most of a call)."""
     return {**{f"stop_{t:g}": Setting(fields={"stop_confidence": t}) for t in thresholds},
             **{f"llama_engine_stop_{t:g}": Setting(fields={"stop_confidence": t}, llama_engine=True)
+               for t in thresholds},
+            **{f"no_reuse_stop_{t:g}": Setting(args=("--prefix-cache-mb", "0"), fields={"stop_confidence": t})
                for t in thresholds}}
 
 
@@ -454,7 +458,7 @@ def compare(level: dict[str, Any], drafts: dict[str, dict[int, list[int]]], base
         if other != base:
             # the llama.cpp engine's drafts against its own with reuse, where that ran (the same engine's bits)
             same_engine = "llama_engine" if other.startswith("llama_engine_") and "llama_engine" in drafts else base
-            stops = other.startswith(("stop_", "llama_engine_stop_"))
+            stops = other.startswith(("stop_", "llama_engine_stop_", "no_reuse_stop_"))
             level[f"{other}_agreement"] = {**(prefixes if stops else identical)(drafts[other], drafts[same_engine]),
                                            "against": same_engine}
             level[f"{other}_vs_{base}"] = {k: level[other][k] / level[base][k] for k in RATIO_KEYS}

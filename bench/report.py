@@ -151,7 +151,7 @@ def _readme_loop_rows() -> list[str]:
             fig = load(f"server_loop_demo_conversation.{cls}")["figures"]
             level = fig["levels"][0]
             rows.append(f"| the same over whole MT-bench conversations (both turns in one loop), {level['loops']} "
-                        f"loop, on {name}: llama.cpp engine / drafts that stop below confidence {LOOP_STOP} | "
+                        f"loop(s), on {name}: llama.cpp engine / drafts that stop below confidence {LOOP_STOP} | "
                         f"{x(_loop_ratio(level, 'llama_engine', 'llama_server'))} / "
                         f"{x(_loop_ratio(level, f'llama_engine_stop_{LOOP_STOP}', 'llama_server'))} |")
     return rows
@@ -301,9 +301,11 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
         # one row per result: what each engine costs against llama-server's (or the baseline's) prompt cache, and
         # what reuse saves; BENCHMARKS.md's loop tables hold every setting
         peer = "llama_server" if "llama_server" in compared else base
-        against_peer = [n for n in [base] + compared if n != peer and not n.endswith("no_reuse")]
+        against_peer = [n for n in [base] + compared if n != peer and "no_reuse" not in n]
         with_reuse = {n: "llama_engine" if n.startswith("llama_engine") else base
                       for n in compared if n.endswith("no_reuse")}
+        with_reuse.update({n: n.removeprefix("no_reuse_") for n in compared
+                           if n.startswith("no_reuse_stop_")})
         without = [(n, b) for n, b in with_reuse.items() if b in [base] + compared]
         loops = " / ".join(f"{lv['loops']}" for lv in levels)
         figure = (f"against {_loop_setting_label(peer)}: "
@@ -350,6 +352,8 @@ def _loop_ratio(level: dict[str, Any], name: str, base: str) -> float:
 
 
 def _loop_setting_label(name: str) -> str:
+    if name.startswith("no_reuse_stop_"):
+        return f"torch, no reuse, stop {name.removeprefix('no_reuse_stop_')}"
     if name.startswith("stop_"):
         return f"torch, stop {name.removeprefix('stop_')}"
     if name.startswith("llama_engine_stop_"):
