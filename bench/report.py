@@ -150,8 +150,9 @@ def _readme_loop_rows() -> list[str]:
         if (RESULTS / f"server_loop_demo_conversation.{cls}.json").is_file():
             fig = load(f"server_loop_demo_conversation.{cls}")["figures"]
             level = fig["levels"][0]
-            rows.append(f"| the same over whole MT-bench conversations (both turns in one loop), {level['loops']} "
-                        f"loop(s), on {name}: llama.cpp engine / drafts that stop below confidence {LOOP_STOP} | "
+            loops = f"{level['loops']} loop" + ("s" if level["loops"] != 1 else "")
+            rows.append(f"| the same over whole MT-bench conversations (both turns in one loop), {loops}, on {name}: "
+                        f"llama.cpp engine / drafts that stop below confidence {LOOP_STOP} | "
                         f"{x(_loop_ratio(level, 'llama_engine', 'llama_server'))} / "
                         f"{x(_loop_ratio(level, f'llama_engine_stop_{LOOP_STOP}', 'llama_server'))} |")
     return rows
