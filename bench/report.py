@@ -125,11 +125,14 @@ def _per_turn(per_category: dict[str, dict[str, Any]]) -> dict[str, dict[str, fl
             for turn, columns in totals.items()}
 
 
+# The CPU classes README's loop rows name, in order, with the words it names them by
+README_LOOP_CLASSES = (("avx2", "an AVX2-only EPYC"), ("avx512-bf16", "an AVX-512 + bf16 EPYC"))
+
+
 def _readme_loop_rows() -> list[str]:
     """The loop rows: each engine's server time per generated token against llama-server's, per CPU class measured,
     and what auto picks."""
-    classes = [(cls, name) for cls, name in (("avx2", "an AVX2-only EPYC"), ("avx512-bf16", "an AVX-512 + bf16 EPYC"))
-               if (RESULTS / f"server_loop_demo.{cls}.json").is_file()]
+    classes = [(cls, name) for cls, name in README_LOOP_CLASSES if (RESULTS / f"server_loop_demo.{cls}.json").is_file()]
     levels = {cls: load(f"server_loop_demo.{cls}")["figures"]["levels"] for cls, _ in classes}
     loops = " / ".join(str(lv["loops"]) for lv in levels[classes[0][0]])
     picks = {cls: set(load(f"engine_choice.{cls}")["figures"]["picks"]) for cls, _ in classes
@@ -146,12 +149,11 @@ def _readme_loop_rows() -> list[str]:
                                         for cls, _ in classes) + " |"
             for name, label in labels.items()]
     # whole conversations: the second turn's context extends what the server saw in the first (where measured)
-    for cls, name in (("avx2", "an AVX2-only EPYC"), ("avx512-bf16", "an AVX-512 + bf16 EPYC")):
+    for cls, name in README_LOOP_CLASSES:
         if (RESULTS / f"server_loop_demo_conversation.{cls}.json").is_file():
-            fig = load(f"server_loop_demo_conversation.{cls}")["figures"]
-            level = fig["levels"][0]
-            loops = f"{level['loops']} loop" + ("s" if level["loops"] != 1 else "")
-            rows.append(f"| the same over whole MT-bench conversations (both turns in one loop), {loops}, on {name}: "
+            level = load(f"server_loop_demo_conversation.{cls}")["figures"]["levels"][0]
+            count = f"{level['loops']} loop" + ("s" if level["loops"] != 1 else "")
+            rows.append(f"| the same over whole MT-bench conversations (both turns in one loop), {count}, on {name}: "
                         f"llama.cpp engine / drafts that stop below confidence {LOOP_STOP} | "
                         f"{x(_loop_ratio(level, 'llama_engine', 'llama_server'))} / "
                         f"{x(_loop_ratio(level, f'llama_engine_stop_{LOOP_STOP}', 'llama_server'))} |")
