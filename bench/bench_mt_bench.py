@@ -9,12 +9,18 @@ question with the small budget's settings (first answers of 128 target tokens, p
 target tokens after each turn's prompt), so that each category holds enough points to read. As in the demo, the
 hybrid's rule is chosen on every other prompt of each category and reported on the others (``--choose-hybrid-rule``);
 the draft and lookup are reported over every point too. The first answers and the points are decoded once into
-``--work`` (a rerun reuses them); the evaluation runs in process. Result: ``bench/results/mt_bench_<name>.<cpu
-class>.json``.
+``--work`` (a rerun reuses them); the evaluation runs in process. ``--validation`` scores points decoded elsewhere
+instead (a demo's own ``mt_bench/validation.jsonl``, with its budget's answer lengths):
+
+  .venv/bin/python bench/bench_mt_bench.py --model-dir runs/demo_default/model --work runs/bench_mt_bench_default \
+      --validation runs/demo_default/mt_bench/validation.jsonl --name demo_default
+
+Result: ``bench/results/mt_bench_<name>.<cpu class>.json``.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -52,33 +58,49 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=80, help="MT-bench questions, round-robin over the categories")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="demo_small", help="the result's name: mt_bench_NAME.<cpu class>.json")
+    ap.add_argument("--validation", type=Path, default=None,
+                    help="score these points (a demo's mt_bench/validation.jsonl) instead of decoding the small "
+                         "budget's into --work")
     args = ap.parse_args()
     log_to_console()
     torch.set_num_threads(args.threads)
     budget = BUDGETS["small"]
     args.work.mkdir(parents=True, exist_ok=True)
-    questions = interleave_categories(read_mt_bench(args.mt_bench), args.questions)
-    listed = args.work / "questions.jsonl"
-    atomic_write_text(listed, "".join(jsonl_line(q.to_json()) + "\n" for q in questions))
-    answers = TracesConfig(target=DEFAULT_TARGET, prompts=listed, out=args.work / "answers.jsonl",
-                           max_new_tokens=budget.mt_bench_answer_tokens)
+    validation = args.validation or args.work / "validation.jsonl"
     with stopwatch() as decoding:
-        run_traces(answers)
-        points = write_mt_bench_points(args.work / "validation.jsonl", questions, listed, answers.out, DEFAULT_TARGET,
-                                       lambda: HFBackend(DEFAULT_TARGET, "cpu", answers.batch_size), DRAFT_TOKENS,
-                                       budget.mt_bench_eval_tokens)
+        if args.validation is None:
+            points, questions = decode_points(args, budget), args.questions
+        else:
+            rows = [json.loads(line) for line in args.validation.open() if line.strip()]
+            points, questions = {"points": len(rows)}, len({row["id"].rsplit("-", 1)[0] for row in rows})
     with stopwatch() as evaluating:
-        run_eval(EvalConfig(validation=args.work / "validation.jsonl", model_dir=args.model_dir,
+        run_eval(EvalConfig(validation=validation, model_dir=args.model_dir,
                             out=args.work / "eval", target=DEFAULT_TARGET, threads=args.threads,
                             choose_hybrid_rule=True, temperatures=[]))
     report = read_json(args.work / "eval" / "report.json")
     rule = report["hybrid_rule"]
     save_result(f"mt_bench_{args.name}", {
-        "model_dir": args.model_dir, "questions": len(questions), "points": points["points"],
-        "answer_tokens": budget.mt_bench_answer_tokens, "scored_tokens": budget.mt_bench_eval_tokens,
+        "model_dir": args.model_dir, "questions": questions,
+        "points": points["points"], "validation": str(validation),
+        **({"answer_tokens": budget.mt_bench_answer_tokens, "scored_tokens": budget.mt_bench_eval_tokens}
+           if args.validation is None else {}),
         "draft": means(report["per_point"], "accepted"), "lookup": means(report["per_point"], "lookup_accepted"),
-        "hybrid_rule": {"chosen": rule["chosen"], "split": rule["split"], "reported": rule["reported"]},
+        "hybrid_rule": {"chosen": rule["chosen"], "chosen_words": rule["chosen_words"], "split": rule["split"],
+                        "reported": rule["reported"], "guided_check": rule.get("guided_check")},
         "decode_seconds": round(decoding.wall, 1), "eval_seconds": round(evaluating.wall, 1)})
+
+
+def decode_points(args, budget) -> dict[str, Any]:
+    """The small budget's first answers and points for --questions questions, into --work (reused on a rerun)."""
+    questions = interleave_categories(read_mt_bench(args.mt_bench), args.questions)
+    listed = args.work / "questions.jsonl"
+    atomic_write_text(listed, "".join(jsonl_line(q.to_json()) + "\n" for q in questions))
+    answers = TracesConfig(target=DEFAULT_TARGET, prompts=listed, out=args.work / "answers.jsonl",
+                           max_new_tokens=budget.mt_bench_answer_tokens)
+    run_traces(answers)
+    return write_mt_bench_points(args.work / "validation.jsonl", questions, listed, answers.out, DEFAULT_TARGET,
+                                 lambda: HFBackend(DEFAULT_TARGET, "cpu", answers.batch_size), DRAFT_TOKENS,
+                                 budget.mt_bench_eval_tokens)
 
 
 if __name__ == "__main__":

@@ -69,16 +69,21 @@ def readme_results() -> str:
     mt = mt_result["figures"]
     hybrid = _per_turn(mt["hybrid_rule"]["reported"]["per_category"])
     default_mt = b["default"].get("mt_bench")  # its demo's own evaluation, where it had MT-bench
+    # the default demo's pack on its demo's own MT-bench points, its rule chosen as eval chooses it now
+    default_rule = RESULTS / "mt_bench_demo_default.avx512-bf16.json"
+    default_hybrid = (_per_turn(json.loads(default_rule.read_text())["figures"]["hybrid_rule"]["reported"]
+                                ["per_category"]) if default_rule.exists() else None)
     lines += ["", f"| MT-bench, all {mt['questions']} questions, both turns (never trained on), turn 1 / turn 2 | "
               "`small` | `default` |", "|---|---:|---:|"]
     lines += [f"| {label}, every point | {mt[key]['turn1']['mean']:.2f} / {mt[key]['turn2']['mean']:.2f} | "
               + (f"{default_mt[row]['turn1']:.2f} / {default_mt[row]['turn2']:.2f} |" if default_mt else "— |")
               for label, key, row in (("trained draft", "draft", "trained"),
                                       ("prompt lookup (no model)", "lookup", "lookup"))]
-    lines += [f"| trained draft behind lookup, its rule measured on half the prompts, on the other half (there: "
-              f"draft {hybrid['turn1']['draft_only']:.2f} / {hybrid['turn2']['draft_only']:.2f}, lookup "
-              f"{hybrid['turn1']['lookup_alone']:.2f} / {hybrid['turn2']['lookup_alone']:.2f}) | "
-              f"{hybrid['turn1']['chosen']:.2f} / {hybrid['turn2']['chosen']:.2f} | — |"]
+    for label, column in (("on the half of the prompts the hybrid's rule was not chosen on: trained draft",
+                           "draft_only"), ("there: prompt lookup", "lookup_alone"),
+                          ("there: trained draft behind lookup, its rule measured on the other half", "chosen")):
+        lines.append(f"| {label} | {_turns(hybrid, column)} | "
+                     + (f"{_turns(default_hybrid, column)} |" if default_hybrid else "— |"))
     torch_full = b["full"]["speedup_torch"]
     best = max(llama["figures"]["drafters"][:-1], key=lambda r: r["speedup"])  # the last row is the F32 target's
     trained = next(r for r in llama["figures"]["drafters"] if r["name"] == "draft")
@@ -103,9 +108,14 @@ def readme_results() -> str:
               f"MT-bench: `small` by `bench/bench_mt_bench.py` with the "
               f"{CLASS_NAMES[mt_result['machine']['cpu_class']]} EPYC's own `small` draft ({mt['points']} points, "
               f"{mt['scored_tokens']} target tokens scored after each turn, {mt_result['date']})"
-              + (f", `default` by its demo ({default_mt['points']} points, {default_mt['scored_tokens']} tokens)."
-                 if default_mt else ".")]
+              + (f", `default` by its demo ({default_mt['points']} points, {default_mt['scored_tokens']} tokens"
+                 + ("; its hybrid by `bench/bench_mt_bench.py --validation` on those points" if default_hybrid
+                    else "") + ")." if default_mt else ".")]
     return "\n".join(lines)
+
+
+def _turns(per_turn: dict[str, dict[str, float]], column: str) -> str:
+    return f"{per_turn['turn1'][column]:.2f} / {per_turn['turn2'][column]:.2f}"
 
 
 def _date_range(dates: list[str]) -> str:
@@ -118,6 +128,8 @@ def _per_turn(per_category: dict[str, dict[str, Any]]) -> dict[str, dict[str, fl
     totals: dict[str, dict[str, list[float]]] = {}
     for category, cells in per_category.items():
         for column, cell in cells.items():
+            if "points" not in cell:  # against_better: a difference, not a column of accepted lengths
+                continue
             total = totals.setdefault(category.split("/")[0], {}).setdefault(column, [0, 0])
             total[0] += cell["points"]
             total[1] += cell["accepted_total"]
@@ -227,9 +239,9 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
         fig = result["figures"]
         draft, lookup = fig["draft"], fig["lookup"]
         reported = fig["hybrid_rule"]["reported"]["overall"]
-        rows.append((f"`{fig['model_dir']}` on every MT-bench question ({fig['points']} points), accepted of 16: "
-                     "trained / lookup, turn 1; turn 2; on the half the hybrid's rule was not chosen on, hybrid / "
-                     "trained / lookup", f"{draft['turn1']['mean']:.2f} / {lookup['turn1']['mean']:.2f}; "
+        rows.append((f"`{fig['model_dir']}` on MT-bench ({fig['points']} points), accepted of 16: trained / lookup, "
+                     "turn 1; turn 2; hybrid / trained / lookup where its rule was not chosen",
+                     f"{draft['turn1']['mean']:.2f} / {lookup['turn1']['mean']:.2f}; "
                      f"{draft['turn2']['mean']:.2f} / {lookup['turn2']['mean']:.2f}; "
                      + " / ".join(f"{reported[k]['mean_accepted']:.2f}" for k in ("chosen", "draft_only",
                                                                                   "lookup_alone")),
@@ -320,8 +332,8 @@ def summary_rows() -> list[tuple[str, str, str, str]]:
             figure += "".join(f"; the second turn's tokens alone, {_loop_short_label(n)}: " + " / ".join(
                 x(lv[n]["by_turn"]["2"]["ms_per_token"] / lv[peer]["by_turn"]["2"]["ms_per_token"]) for lv in levels)
                 for n in against_peer if n.startswith("llama_engine_stop_"))
-        rows.append((f"`specdraft serve` in a speculation loop ({_loop_draft(fig)}, {_loop_prompts(fig)}): server "
-                     f"time per generated token, {loops} loop(s) (below 1: cheaper)", figure,
+        rows.append((f"`specdraft serve` in a speculation loop ({_loop_draft(fig)}, {_loop_prompts(fig)}): time "
+                     f"per generated token, {loops} loop(s)", figure,
                      where(result, result['date']), path.name))
     return rows
 
@@ -555,8 +567,9 @@ def multiturn_tables() -> str:
 
 
 def _rule_words(chosen: dict[str, Any]) -> str:
-    threshold, own = chosen["min_match"], chosen.get("per_category") or {}
-    return (("the draft everywhere" if threshold is None else f"lookup where its match >= {threshold}")
+    threshold, own, ratio = chosen["min_match"], chosen.get("per_category") or {}, chosen.get("guide_min_ratio")
+    lookup = f"lookup's copy as the draft's guide (ratio {ratio:g})" if ratio else "lookup"
+    return (("the draft everywhere" if threshold is None else f"{lookup} where its match >= {threshold}")
             + ("".join(f", {c} {'the draft' if t is None else f'>= {t}'}" for c, t in sorted(own.items()))
                if len(own) <= 2 else f", {len(own)} categories a threshold of their own"))
 
@@ -573,16 +586,17 @@ def mt_bench_tables() -> str:
         rule, reported = fig["hybrid_rule"], fig["hybrid_rule"]["reported"]["overall"]
         draft, lookup, hybrid = (reported[k]["mean_accepted"] for k in ("draft_only", "lookup_alone", "chosen"))
         out.append(f"{n}. {machine(result)}, {result['date']}, `{result['command']}` "
-                   f"([{path.name}](bench/results/{path.name})): `{fig['model_dir']}` on {fig['questions']} questions, "
+                   f"([{path.name}](bench/results/{path.name})): {fig['questions']} questions, "
                    f"{fig['points']} points. The hybrid's rule, chosen on {rule['split']['calibration']['points']} "
                    f"points: {_rule_words(rule['chosen'])}; on the other {rule['split']['reported']['points']}: draft "
                    f"{draft:.2f}, lookup {lookup:.2f}, hybrid {hybrid:.2f}.")
-    out += ["", "| prompts | points | " + " | ".join(f"{n}: trained draft / prompt lookup"
+    out += ["", "| prompts | points | " + " | ".join(f"{n}: trained / lookup"
                                                     for n in range(1, len(results) + 1)) + " |",
             "|---|---:|" + "---:|" * len(results)]
     first = results[0][1]["figures"]
-    for name, cell in first["draft"].items():
-        out.append(f"| {name} | {cell['points']} | " + " | ".join(
+    for name in first["draft"]:
+        counts = sorted({r["figures"]["draft"][name]["points"] for _, r in results}, key=lambda n: -n)
+        out.append(f"| {name} | {' / '.join(map(str, counts))} | " + " | ".join(
             f"{r['figures']['draft'][name]['mean']:.2f} / {r['figures']['lookup'][name]['mean']:.2f}"
             for _, r in results) + " |")
     return "\n".join(out)

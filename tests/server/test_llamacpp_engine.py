@@ -178,6 +178,28 @@ def test_a_draft_that_stops_is_the_full_drafts_prefix(engine):
     assert stopped == full[:len(stopped)] and len(stopped) == 1  # no token is certain in a random model
 
 
+def test_a_guided_row_follows_its_guide_as_the_in_process_llamacpp_drafter_does(draft, engine):
+    """A guided row (``DraftSampling.guide``) gets what ``LlamaCppDrafter`` drafts with the same guide in process;
+    the plain draft as its guide is followed to the end, a guide of random tokens at ratio 1 gives the plain draft."""
+    from specdraft.drafting.llamacpp import LlamaCppDrafter
+
+    rng = random.Random(4)
+    in_process = LlamaCppDrafter(draft[1], threads=1)
+    try:
+        for n in (6, 21, 45):
+            context = [rng.randrange(3, engine.vocab_size) for _ in range(n)]
+            plain = alone(engine, context)[0]
+            for guide, ratio in ((plain, 1.0), ([rng.randrange(3, engine.vocab_size) for _ in range(NUM_DRAFT)], 1.0),
+                                 (plain[:3] + [rng.randrange(3, engine.vocab_size) for _ in range(5)], 0.05)):
+                got = alone(engine, context, DraftSampling(guide=tuple(guide), guide_min_ratio=ratio))[0]
+                in_process.reset()
+                assert got == in_process.draft_guided([context], NUM_DRAFT, [guide], ratio)[0]
+                if ratio == 1.0:
+                    assert got == plain
+    finally:
+        in_process.close()
+
+
 def test_over_http_the_llamacpp_engine_serves_reuses_and_reports(draft, engine):
     packed, gguf = draft
     cfg = ServeConfig(model_dir=str(packed), engine="llama.cpp", gguf=str(gguf), max_wait_ms=20, max_batch_size=4,

@@ -411,6 +411,11 @@ def test_run_eval_chooses_the_hybrid_rule_on_half_the_prompts(tiny_qwen3_dir, tm
     assert against["better"] == "lookup_alone" and against["prompts"] == 2 and not against["below"]
     assert "(2 prompt(s): no interval) against lookup" in md and "beyond its 90% interval over prompts in 0" in md
     assert (out / "acceptance_per_context_length.png").is_file()
+    # the model in process: the guided rules are candidates, each point's predictions recorded; the guided rule's
+    # gain over the plain one on calibration (lookup's copy is the whole answer there: nothing to gain) is no reason
+    assert "guided_0.1_match_1" in section["candidates"] and "guided by lookup (ratio 0.1)" in md
+    assert all(set(p["guided_predicted"]) == {"0.03", "0.1", "0.3"} for p in report["per_point"][1::2])
+    assert section["guided_against_plain"]["above"] is False and not rule.guided
     for bad in (dict(lookup=True), dict(model_dir=tiny_qwen3_dir, hybrid_min_ngram=2)):
         with pytest.raises(ValueError, match="--choose-hybrid-rule"):
             EvalConfig(validation=v, out=out, choose_hybrid_rule=True, **bad)

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from specdraft.core.records import ValidationPoint, parse_point
 from specdraft.drafting.base import DraftDistributions, Drafter, DrafterError
 from specdraft.drafting.batched import path_logits
+from specdraft.drafting.hybrid_rule import guided_accepted
 from specdraft.drafting.metrics import AcceptanceStats, ExpectedAcceptanceStats
 from specdraft.model.sampling import GREEDY, SamplingParams, warp_probs
 
@@ -213,3 +214,25 @@ def shared_paths(points: Sequence[ValidationPoint], k: int) -> list[tuple[list[i
         else:
             groups.append((sequence, len(points[i].context_ids), [i]))
     return groups
+
+
+def guided_acceptance(drafter: Drafter, points: Sequence[ValidationPoint], guides: Sequence[Sequence[int]],
+                      ratios: Sequence[float], k: int = 16) -> list[dict[float, int]]:
+    """Per point, the accepted length of the drafter's greedy draft guided by that point's guide (empty: none) at
+    each of ``ratios`` (``hybrid_rule.guided_accepted``), from its plain distributions along the point's reference
+    tokens: one teacher-forced forward per token path (``shared_paths``). A prediction of what guided decoding
+    drafts: a near-tie may round the other way in a decode step, as ``model_path_probs`` says of greedy drafts."""
+    if not drafter.teacher_forced_paths:
+        raise DrafterError(f"{drafter.name}: its distributions along a path are not teacher-forced")
+    plain = SamplingParams(temperature=1.0)
+    out: list[dict[float, int]] = [{} for _ in points]
+    for path, start, members in shared_paths(points, k):
+        wanted = [i for i in members if guides[i]]
+        if not wanted:
+            continue
+        probs = drafter.path_probs(path[:start], path[start:], [plain])[0].probs
+        for i in wanted:
+            at, reference = len(points[i].context_ids) - start, points[i].target_ids[:k]
+            rows = probs[at:at + len(reference)]
+            out[i] = {r: guided_accepted(rows, reference, guides[i], r) for r in ratios}
+    return out

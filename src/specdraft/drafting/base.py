@@ -106,6 +106,17 @@ class Drafter(ABC):
         """Why torch.compile failed for a compiled draft that fell back to eager steps; None otherwise."""
         return None
 
+    # Whether ``draft_guided`` follows a guide (a model drafter in process or behind a server does)
+    follows_guides: bool = False
+
+    def draft_guided(self, contexts: Sequence[Sequence[int]], num_tokens: int, guides: Sequence[Sequence[int]],
+                     min_ratio: float) -> list[list[int]]:
+        """Greedy drafts that follow each context's guide (a proposed continuation; empty: none) while the model
+        gives each guide token at least ``min_ratio`` of its top probability (``model.generation.DraftSampling``).
+        Only drafters with ``follows_guides``."""
+        raise DrafterError(f"{self.name}: this drafter does not follow guides (a draft model in process or behind "
+                           "a draft server does)")
+
     def draft_with_probs(self, contexts: Sequence[Sequence[int]], num_tokens: int, params: SamplingParams,
                          generator: torch.Generator | None = None) -> list[DraftDistributions]:
         """Up to ``num_tokens`` tokens after each context drawn from the drafter's distribution under ``params``,

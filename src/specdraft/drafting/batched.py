@@ -11,8 +11,9 @@ import torch
 from transformers import DynamicCache
 
 from specdraft.drafting.base import DraftDistributions, Drafter
-from specdraft.model.decode import draft_batch
+from specdraft.model.decode import draft_batch, draft_rows
 from specdraft.model.forward import extend
+from specdraft.model.generation import DraftSampling
 from specdraft.model.sampling import GREEDY, SamplingParams, sample_from, warp_probs
 
 
@@ -65,6 +66,19 @@ class ModelDrafter(Drafter):
         if params.greedy:  # the greedy draft, bit for bit as ``draft`` gives it
             return super().draft_with_probs(contexts, num_tokens, params, generator)
         return [sample_draft(self.model, c, num_tokens, params, generator) for c in contexts]
+
+    follows_guides = True
+
+    def draft_guided(self, contexts, num_tokens, guides, min_ratio):
+        """The server's guided rows (``draft_rows``: each row as alone), ``max_batch_size`` at a time."""
+        if len(guides) != len(contexts):
+            raise ValueError(f"{len(contexts)} contexts but {len(guides)} guides")
+        out: list[list[int]] = []
+        for start in range(0, len(contexts), self.max_batch_size):
+            chunk = range(start, min(len(contexts), start + self.max_batch_size))
+            sampling = [DraftSampling(guide=tuple(guides[i])[:num_tokens], guide_min_ratio=min_ratio) for i in chunk]
+            out += [g.tokens for g in draft_rows(self.model, [contexts[i] for i in chunk], num_tokens, sampling)]
+        return out
 
     teacher_forced_paths = True
 

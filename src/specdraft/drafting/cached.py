@@ -14,6 +14,7 @@ from specdraft.drafting.batched import model_path_probs
 from specdraft.drafting.calibration import AcceptanceCalibration
 from specdraft.drafting.metrics import accepted_length
 from specdraft.model.forward import crop_cache, extend
+from specdraft.model.generation import takes_guide
 from specdraft.model.lean import CompiledSteps, lean_forward
 from specdraft.model.sampling import GREEDY, SamplingParams, sample_from, warp_probs
 from specdraft.quant.linear import is_prefill
@@ -96,6 +97,13 @@ class CachedDraftModel(Drafter):
         """One context at a time: the kept cache follows one sequence (several contexts thrash it)."""
         return [self._draft_one(c, num_tokens)[0] for c in contexts]
 
+    follows_guides = True
+
+    def draft_guided(self, contexts, num_tokens, guides, min_ratio):
+        if len(guides) != len(contexts):
+            raise ValueError(f"{len(contexts)} contexts but {len(guides)} guides")
+        return [self._draft_one(c, num_tokens, guide=g, guide_min_ratio=min_ratio)[0] for c, g in zip(contexts, guides)]
+
     def draft_with_probs(self, contexts, num_tokens, params, generator=None):
         if params.greedy:  # the greedy draft, bit for bit as ``draft`` gives it
             return super().draft_with_probs(contexts, num_tokens, params, generator)
@@ -108,9 +116,11 @@ class CachedDraftModel(Drafter):
 
     @torch.inference_mode()
     def _draft_one(self, context: Sequence[int], k: int, params: SamplingParams = GREEDY,
-                   generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
+                   generator: torch.Generator | None = None, guide: Sequence[int] = (),
+                   guide_min_ratio: float = 1.0) -> tuple[list[int], torch.Tensor | None]:
         """(tokens, their q as [n, V]): greedy (q None), or sampled under ``params`` (the stop rule then reads q of
-        the drafted token instead of the greedy token's probability)."""
+        the drafted token instead of the greedy token's probability); a greedy draft follows ``guide`` as the
+        server's rows do (``model.generation.DraftSampling``)."""
         if k <= 0:
             return [], None if params.greedy else torch.zeros(0, self.vocab_size)
         context = list(context)
@@ -130,16 +140,29 @@ class CachedDraftModel(Drafter):
         self.fed_tokens += len(feed)
         rows: list[torch.Tensor] = []
 
+        following = list(guide)
+
         def choose(logits: torch.Tensor) -> int:
             if params.greedy:
-                return int(logits[0, -1].argmax())
+                top = int(logits[0, -1].argmax())
+                if len(out) < len(following):
+                    if takes_guide(logits[0, -1], top, following[len(out)], guide_min_ratio):
+                        return following[len(out)]
+                    following.clear()
+                return top
             rows.append(warp_probs(logits[0, -1], params).cpu())  # sampled on the CPU: the generator lives there
             return int(sample_from(rows[-1], generator))
 
         def probability(logits: torch.Tensor) -> float:
-            return top_probability(logits) if params.greedy else float(rows[-1][out[-1]])
+            if params.greedy and not guide:
+                return top_probability(logits)
+            if params.greedy:  # a guided token's own probability, as the server's rows read it
+                return float(torch.softmax(logits[0, -1].float(), -1)[out[-1]])
+            return float(rows[-1][out[-1]])
 
-        out, probs, still_kept = [choose(logits)], [], 1.0
+        out: list[int] = []  # before the first choice: ``choose`` reads how far the draft is
+        out.append(choose(logits))
+        probs, still_kept = [], 1.0
         for _ in range(k - 1):
             if self.min_confidence:
                 probs.append(probability(logits))

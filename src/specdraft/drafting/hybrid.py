@@ -5,7 +5,9 @@ reaches the rule's threshold instead; the fixed rule is the rule ``HybridRule(mi
 
 The two fail in different places: lookup wins in repetitive stretches (lists, code, restated text) and has
 nothing to say elsewhere; the model drafts everywhere but pays a forward pass per token. The model stays pure
-inference (the draft server never sees the lookup); the combination lives in the client.
+inference (the draft server never runs the lookup); the combination lives in the client. A guided rule
+(``HybridRule.guide_min_ratio``) sends lookup's draft along as the request's guide where the rule uses lookup: the
+model then drafts every context, taking the copy only where it finds it plausible itself.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ __all__ = ["DEFAULT_HYBRID_MIN_NGRAM", "HybridDrafter", "HybridRule"]
 
 
 class HybridDrafter(Drafter):
-    """``lookup_used`` / ``model_used`` count the contexts each side answered. A kept draft cache behind it
-    stays correct across the contexts lookup answered: ``CachedDraftModel`` catches up on whatever the context
-    gained since its last call."""
+    """``lookup_used`` / ``model_used`` count the contexts each side answered (under a guided rule: the contexts
+    the model drafted with lookup's guide, and without). A kept draft cache behind it stays correct across the
+    contexts lookup answered: ``CachedDraftModel`` catches up on whatever the context gained since its last call."""
 
     def __init__(self, model_drafter: Drafter, min_ngram: int = DEFAULT_HYBRID_MIN_NGRAM, max_ngram: int = MAX_NGRAM,
                  name: str | None = None, rule: HybridRule | None = None):
@@ -32,7 +34,11 @@ class HybridDrafter(Drafter):
         # lookup's match is at least the n-gram it found (n <= max_ngram), and a match found below min_ngram
         # never reaches it: the fixed rule is exactly the threshold min_ngram on the match length
         self.rule = rule if rule is not None else HybridRule(min_ngram)
+        if self.rule.guided and not model_drafter.follows_guides:
+            raise ValueError(f"a guided hybrid rule needs a drafter that follows guides; {model_drafter.name} does not")
         measured = f"-match{self.rule.min_match}" if self.rule.min_match else "-never"
+        if self.rule.guided and self.rule.min_match:
+            measured = f"-guided{self.rule.guide_min_ratio:g}" + measured
         self.name = name or f"{model_drafter.name}+lookup{min_ngram if rule is None else measured}"
         self.concurrency = model_drafter.concurrency
         self.lookup_used = self.model_used = 0
@@ -62,7 +68,19 @@ class HybridDrafter(Drafter):
         draft, match = lookup_match(context, num_tokens, self.max_ngram, 1)
         return draft if self.rule.uses_lookup(match) else []
 
+    def _guided(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
+        """Every context drafted by the model, with lookup's draft as its guide where the rule uses lookup."""
+        guides = [self._found(c, num_tokens) for c in contexts]
+        self.lookup_used += sum(bool(g) for g in guides)
+        self.model_used += sum(not g for g in guides)
+        drafts = self.model_drafter.draft_guided(contexts, num_tokens, guides, self.rule.guide_min_ratio)
+        if len(drafts) != len(contexts):
+            raise DrafterError(f"model drafter returned {len(drafts)} drafts for {len(contexts)} contexts")
+        return [list(d) for d in drafts]
+
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
+        if self.rule.guided:
+            return self._guided(contexts, num_tokens)
         out, ask = self._lookup(contexts, num_tokens)
         if ask:
             drafts = self.model_drafter.draft([contexts[i] for i in ask], num_tokens)
@@ -73,7 +91,12 @@ class HybridDrafter(Drafter):
         return out
 
     def draft_with_probs(self, contexts, num_tokens, params, generator=None):
-        """Lookup's proposal (q one-hot) where it has one, the model's sampled draft elsewhere."""
+        """Lookup's proposal (q one-hot) where it has one, the model's sampled draft elsewhere. A guided rule
+        guides greedy drafts only: sampled ones are the model's own."""
+        if self.rule.guided:
+            if params.greedy:
+                return [DraftDistributions.one_hot(d) for d in self._guided(contexts, num_tokens)]
+            return self.model_drafter.draft_with_probs(contexts, num_tokens, params, generator)
         drafts, ask = self._lookup(contexts, num_tokens)
         out = [DraftDistributions.one_hot(d) for d in drafts]
         if ask:
@@ -87,6 +110,10 @@ class HybridDrafter(Drafter):
     def path_probs(self, context, continuation, settings):
         """Where lookup answers at ``context`` its draft drives the whole step (q one-hot), else the model's."""
         n = len(continuation)
+        if self.rule.guided:  # greedy settings: the guided draft, one-hot; sampled ones: the model's own
+            rows = self.model_drafter.path_probs(context, continuation, settings)
+            guided = DraftDistributions.one_hot(self.draft_one(context, n)[:n], n)
+            return [guided if params.greedy else row for params, row in zip(settings, rows)]
         found = self._found(context, n)
         if found:
             return [DraftDistributions.one_hot(found, n) for _ in settings]

@@ -6,11 +6,17 @@ wherever the context's last ``DEFAULT_HYBRID_MIN_NGRAM`` tokens recur) is one ca
 thresholds on one signal lookup measures anyway, its match length (``lookup.lookup_match``):
 
 - never: the model drafts everywhere;
-- lookup where its match is at least n tokens long, for n in ``CANDIDATE_MIN_MATCH`` (the fixed rule is n = 2).
+- lookup where its match is at least n tokens long, for n in ``CANDIDATE_MIN_MATCH`` (the fixed rule is n = 2);
+- guided: where lookup's match is at least n tokens long (n in ``GUIDED_MIN_MATCH``), the model drafts with lookup's
+  draft as its guide, taking each guide token while it has at least r of the model's top probability (r in
+  ``GUIDE_MIN_RATIOS``; ``model.generation.DraftSampling``): the copy where the model finds it plausible, the
+  model's own tokens from the first place it does not. Scored where the points carry the model's distributions
+  along the target's tokens (``RulePoint.guided``, from ``guided_accepted``).
 
 ``choose_rule`` picks the best threshold on a calibration split of the points (``calibration_split``: every other
-prompt of each category), and a category's own only where it holds prompt by prompt: it beats the overall choice on
-most of the category's calibration prompts and loses on none. A category's points come from a few prompts, and a
+prompt of each category; a guided rule only where it beats the best plain one beyond its prompts' noise), and a
+category's own only where it holds prompt by prompt: it beats the overall choice on most of the category's
+calibration prompts and loses on none. A category's points come from a few prompts, and a
 threshold that wins their sum through one of them tends to lose on the next few (docs/history.md, "A category's
 own rule"). ``measure_rules`` scores every candidate and the chosen rule on the other prompts only, so a choice is
 never reported on the points that made it, beside the better of the two at each point: the ceiling of any rule that
@@ -38,6 +44,10 @@ from specdraft.drafting.metrics import (
 DEFAULT_HYBRID_MIN_NGRAM = 2
 # The thresholds tried, most lookup first (a tie goes to the rule that drafts more for free); None: never lookup
 CANDIDATE_MIN_MATCH: tuple[int | None, ...] = (1, 2, 3, 4, 8, 16, None)
+# The guided rules tried: the weight a guide token needs against the model's top token, and the match lengths from
+# which lookup's draft becomes the guide (fewer than for the plain thresholds: the model vets every guide token)
+GUIDE_MIN_RATIOS: tuple[float, ...] = (0.03, 0.1, 0.3)
+GUIDED_MIN_MATCH: tuple[int | None, ...] = (1, 3, 8, None)
 # A category gets a threshold of its own only from this many calibration prompts (and only where that threshold
 # wins on most of them and loses on none): fewer, and its choice would follow the noise of one or two prompts
 MIN_CATEGORY_PROMPTS = 4
@@ -53,15 +63,25 @@ SPLIT_NOTE = ("calibration: every other prompt of each category (the 1st, 3rd, .
 class HybridRule:
     """Lookup drafts in front of the model where its match length (``lookup_match``) is at least ``min_match``
     tokens (None: never); ``per_category`` overrides it for the categories a calibration found better served
-    otherwise (used only where the caller knows a context's category)."""
+    otherwise (used only where the caller knows a context's category). With ``guide_min_ratio`` r, lookup's draft
+    is there the model's guide instead of its replacement: the model drafts, taking each guide token while it has at
+    least r of the model's top probability."""
 
     min_match: int | None = DEFAULT_HYBRID_MIN_NGRAM
     per_category: Mapping[str, int | None] = field(default_factory=dict)
+    guide_min_ratio: float | None = None
 
     def __post_init__(self):
         for where, t in (("min_match", self.min_match), *self.per_category.items()):
             if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
                 raise ValueError(f"hybrid rule: {where} must be an integer >= 1 or null (never lookup), got {t!r}")
+        r = self.guide_min_ratio
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1):
+            raise ValueError(f"hybrid rule: guide_min_ratio must be a number in (0, 1] or null, got {r!r}")
+
+    @property
+    def guided(self) -> bool:
+        return self.guide_min_ratio is not None
 
     def threshold(self, category: str | None = None) -> int | None:
         if category is not None and category in self.per_category:
@@ -75,39 +95,81 @@ class HybridRule:
 
     def for_category(self, category: str) -> "HybridRule":
         """The rule one category's contexts get, as a rule without categories."""
-        return HybridRule(self.threshold(category))
+        return HybridRule(self.threshold(category), guide_min_ratio=self.guide_min_ratio)
 
     def describe(self) -> str:
-        words = candidate_label(self.min_match)
+        words = candidate_label(self.min_match, self.guide_min_ratio)
         if self.per_category:
-            words += "; " + ", ".join(f"{c}: {candidate_label(t)}" for c, t in sorted(self.per_category.items()))
+            words += "; " + ", ".join(f"{c}: {candidate_label(t, self.guide_min_ratio)}"
+                                      for c, t in sorted(self.per_category.items()))
         return words
 
     def to_json(self) -> dict[str, Any]:
+        what = ("prompt lookup drafts in front of the model where its match length (the context's last tokens equal "
+                "to those before the occurrence it copies) is >= min_match (null: never), per category where listed; "
+                "elsewhere the model drafts")
+        if self.guided:
+            what = ("where prompt lookup's match length is >= min_match (null: never; per category where listed), "
+                    "the model drafts guided by lookup's draft: it takes each guide token while that token has at "
+                    "least guide_min_ratio of the model's top probability, then its own; elsewhere the model drafts")
         return {"min_match": self.min_match, "per_category": dict(sorted(self.per_category.items())),
-                "what": "prompt lookup drafts in front of the model where its match length (the context's last "
-                        "tokens equal to those before the occurrence it copies) is >= min_match (null: never), per "
-                        "category where listed; elsewhere the model drafts"}
+                "guide_min_ratio": self.guide_min_ratio, "what": what}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "HybridRule":
         if not isinstance(obj, Mapping) or "min_match" not in obj:
-            raise ValueError("hybrid rule: expected an object with 'min_match' (and optionally 'per_category')")
+            raise ValueError("hybrid rule: expected an object with 'min_match' (and optionally 'per_category', "
+                             "'guide_min_ratio')")
         per_category = obj.get("per_category") or {}
         if not isinstance(per_category, Mapping):
             raise ValueError("hybrid rule: 'per_category' must be an object (category -> min_match)")
-        return cls(obj["min_match"], {str(c): t for c, t in per_category.items()})
+        return cls(obj["min_match"], {str(c): t for c, t in per_category.items()}, obj.get("guide_min_ratio"))
 
 
-def candidate_key(min_match: int | None) -> str:
-    return "draft_only" if min_match is None else f"lookup_match_{min_match}"
+def candidate_key(min_match: int | None, guide_min_ratio: float | None = None) -> str:
+    if min_match is None:
+        return "draft_only"
+    if guide_min_ratio is not None:
+        return f"guided_{guide_min_ratio:g}_match_{min_match}"
+    return f"lookup_match_{min_match}"
 
 
-def candidate_label(min_match: int | None) -> str:
+def candidate_label(min_match: int | None, guide_min_ratio: float | None = None) -> str:
     if min_match is None:
         return "the model only"
+    if guide_min_ratio is not None:
+        return f"the model guided by lookup (ratio {guide_min_ratio:g}) where its match >= {min_match}"
     fixed = " (the fixed rule)" if min_match == DEFAULT_HYBRID_MIN_NGRAM else ""
     return f"lookup where its match >= {min_match}{fixed}"
+
+
+def candidates(guide_ratios: Sequence[float] = ()) -> list[HybridRule]:
+    """The rules scored: every plain threshold, then the guided ones for ``guide_ratios`` (those the points were
+    scored under; none without the model's distributions)."""
+    return ([HybridRule(t) for t in CANDIDATE_MIN_MATCH]
+            + [HybridRule(t, guide_min_ratio=r) for r in guide_ratios for t in GUIDED_MIN_MATCH if t is not None])
+
+
+def guided_accepted(probs: Any, target: Sequence[int], guide: Sequence[int], min_ratio: float) -> int:
+    """The accepted length of the guided draft (``model.generation.DraftSampling``) against ``target``, from the
+    model's distributions along it (``probs`` [len(target), V], row i after the context and target[:i]): up to the
+    first miss the draft's context is the target's, so the walk needs no decoding."""
+    accepted, on_guide = 0, bool(guide)
+    for i, want in enumerate(target):
+        row = probs[i]
+        top = int(row.argmax())
+        token = top
+        if on_guide and i < len(guide):
+            proposed = int(guide[i])
+            if proposed == top or (0 <= proposed < row.shape[-1]
+                                   and float(row[proposed]) >= min_ratio * float(row[top])):
+                token = proposed
+            else:
+                on_guide = False
+        if token != want:
+            break
+        accepted += 1
+    return accepted
 
 
 @dataclass(frozen=True)
@@ -121,12 +183,16 @@ class RulePoint:
     model: int
     lookup: int
     match: int
+    # the guided draft's accepted length by guide_min_ratio, where lookup has a draft here and it was scored
+    guided: Mapping[float, int] = field(default_factory=dict)
 
     def accepted(self, rule: HybridRule | None) -> int:
         """The accepted length under ``rule`` (None: lookup alone, nothing where it has no draft)."""
         if rule is None:
             return self.lookup
-        return self.lookup if self.match and rule.uses_lookup(self.match, self.category) else self.model
+        if not (self.match and rule.uses_lookup(self.match, self.category)):
+            return self.model
+        return self.guided[rule.guide_min_ratio] if rule.guided else self.lookup
 
     @property
     def better_of_two(self) -> int:
@@ -161,10 +227,18 @@ def _score(points: Sequence[RulePoint], rule: HybridRule | None) -> dict[str, An
     return group_summary([p.accepted(rule) for p in points], [p.id for p in points])
 
 
-def _best(points: Sequence[RulePoint]) -> int | None:
-    """The candidate threshold with the most accepted over ``points`` (the first of a tie, in candidate order)."""
-    totals = [sum(p.accepted(HybridRule(t)) for p in points) for t in CANDIDATE_MIN_MATCH]
-    return CANDIDATE_MIN_MATCH[totals.index(max(totals))]
+def _best(points: Sequence[RulePoint], guide_min_ratio: float | None = None) -> int | None:
+    """The candidate threshold with the most accepted over ``points`` (the first of a tie, in candidate order), the
+    plain ones or those guided at ``guide_min_ratio``."""
+    thresholds = CANDIDATE_MIN_MATCH if guide_min_ratio is None else GUIDED_MIN_MATCH
+    totals = [sum(p.accepted(HybridRule(t, guide_min_ratio=guide_min_ratio)) for p in points) for t in thresholds]
+    return thresholds[totals.index(max(totals))]
+
+
+def scored_ratios(points: Sequence[RulePoint]) -> list[float]:
+    """The guide ratios every point with a lookup draft was scored under (none where any lacks them)."""
+    found = [set(p.guided) for p in points if p.match]
+    return sorted(set.intersection(*found)) if found else []
 
 
 def _gains_per_prompt(points: Sequence[RulePoint], rule: HybridRule, against: HybridRule) -> list[int]:
@@ -181,16 +255,42 @@ def choose_rule(calibration: Sequence[RulePoint]) -> HybridRule:
     and loses on none."""
     if not calibration:
         raise ValueError("no calibration points to choose a hybrid rule on")
-    overall = _best(calibration)
+    plain, guided, gain = guided_against_plain(calibration)
+    return guided if guided is not None and gain["above"] else plain
+
+
+def guided_against_plain(calibration: Sequence[RulePoint]) -> tuple[HybridRule, HybridRule | None, dict[str, Any]]:
+    """(the best plain rule, the best guided one or None where none was scored, the guided one's gain over the plain
+    one per calibration point with its 90% interval over prompts). ``choose_rule`` takes the guided rule only where
+    that whole interval is above zero: it calls the model on every context lookup would have answered for free, so
+    a gain within its prompts' noise does not pay for it (docs/history.md, "Lookup as the draft's guide")."""
+    plain = _choose_for(calibration, None)
+    guided, best_total = None, -1
+    for ratio in scored_ratios(calibration):
+        rule = _choose_for(calibration, ratio)
+        total = sum(p.accepted(rule) for p in calibration)
+        if total > best_total:
+            guided, best_total = rule, total
+    if guided is None:
+        return plain, None, {"above": False}
+    gain = paired_difference([p.accepted(guided) - p.accepted(plain) for p in calibration],
+                             [p.id for p in calibration])
+    return plain, guided, gain
+
+
+def _choose_for(calibration: Sequence[RulePoint], ratio: float | None) -> HybridRule:
+    """``choose_rule`` among the plain thresholds (``ratio`` None) or those guided at ``ratio``."""
+    overall = _best(calibration, ratio)
     per_category: dict[str, int | None] = {}
     for category in sorted({p.category for p in calibration}):
         mine = [p for p in calibration if p.category == category]
-        best = _best(mine)
-        gains = _gains_per_prompt(mine, HybridRule(best), HybridRule(overall))
+        best = _best(mine, ratio)
+        gains = _gains_per_prompt(mine, HybridRule(best, guide_min_ratio=ratio),
+                                  HybridRule(overall, guide_min_ratio=ratio))
         if (len(gains) >= MIN_CATEGORY_PROMPTS and sum(g > 0 for g in gains) > len(gains) / 2
                 and min(gains) >= 0):
             per_category[category] = best
-    return HybridRule(overall, per_category)
+    return HybridRule(overall, per_category, ratio)
 
 
 def against_better(points: Sequence[RulePoint], rule: HybridRule) -> dict[str, Any]:
@@ -210,12 +310,12 @@ def against_better_groups(reported: Mapping[str, Any]) -> dict[str, Mapping[str,
                                                          **reported["per_context_length"]}.items()}
 
 
-def _table(points: Sequence[RulePoint], chosen: HybridRule | None) -> dict[str, Any]:
-    """Every candidate, lookup alone and (given) the chosen rule, the ceiling and the chosen rule against the
-    better of the two over ``points``: overall, per category and per context-length bucket."""
+def _table(points: Sequence[RulePoint], chosen: HybridRule | None, rules: Sequence[HybridRule]) -> dict[str, Any]:
+    """Every candidate of ``rules``, lookup alone and (given) the chosen rule, the ceiling and the chosen rule
+    against the better of the two over ``points``: overall, per category and per context-length bucket."""
     def row(group: Sequence[RulePoint]) -> dict[str, Any]:
         out = {"lookup_alone": _score(group, None)}
-        out.update({candidate_key(t): _score(group, HybridRule(t)) for t in CANDIDATE_MIN_MATCH})
+        out.update({candidate_key(r.min_match, r.guide_min_ratio): _score(group, r) for r in rules})
         if chosen is not None:
             out["chosen"] = _score(group, chosen)
             out[CEILING] = group_summary([p.better_of_two for p in group], [p.id for p in group])
@@ -237,8 +337,12 @@ def measure_rules(points: Sequence[RulePoint]) -> dict[str, Any]:
     calibration = [p for p, c in zip(points, side) if c]
     reported = [p for p, c in zip(points, side) if not c]
     chosen = choose_rule(calibration)
+    plain, guided, gain = guided_against_plain(calibration)
+    rules = candidates(scored_ratios(points))
     return {
-        "candidates": {candidate_key(t): {"min_match": t, "label": candidate_label(t)} for t in CANDIDATE_MIN_MATCH},
+        "candidates": {candidate_key(r.min_match, r.guide_min_ratio): {
+            "min_match": r.min_match, "guide_min_ratio": r.guide_min_ratio,
+            "label": candidate_label(r.min_match, r.guide_min_ratio)} for r in rules},
         "fixed": candidate_key(DEFAULT_HYBRID_MIN_NGRAM),
         "ceiling": {"key": CEILING, "label": "the better of the two at each point (the most any rule choosing "
                                              "between them per context could accept)"},
@@ -248,6 +352,10 @@ def measure_rules(points: Sequence[RulePoint]) -> dict[str, Any]:
                   "reported": {"points": len(reported), "prompts": len({p.id for p in reported})}},
         "chosen": chosen.to_json(),
         "chosen_words": chosen.describe(),
-        "calibration": _table(calibration, None),
-        "reported": _table(reported, chosen) if reported else None,
+        "guided_against_plain": None if guided is None else {
+            "plain": plain.describe(), "guided": guided.describe(), **gain,
+            "what": "on the calibration points: the best guided rule minus the best plain one, per point, with its "
+                    "90% interval over prompts; the guided rule is chosen only where the interval is above zero"},
+        "calibration": _table(calibration, None, rules),
+        "reported": _table(reported, chosen, rules) if reported else None,
     }

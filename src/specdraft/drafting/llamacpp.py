@@ -8,9 +8,11 @@ import os
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from specdraft.drafting.base import Drafter
 from specdraft.drafting.metrics import accepted_length
+from specdraft.model.generation import takes_guide
 from specdraft.model.llamacpp import LlamaCppModel, llama_cpp_module
 
 
@@ -23,19 +25,38 @@ class LlamaCppDrafter(Drafter):
         self.model, self.name = LlamaCppModel(path, n_ctx=n_ctx, threads=threads), name
         self.path = self.model.path
 
-    def draft_one(self, context: Sequence[int], num_tokens: int) -> list[int]:
+    def draft_one(self, context: Sequence[int], num_tokens: int, guide: Sequence[int] = (),
+                  guide_min_ratio: float = 1.0) -> list[int]:
+        """A greedy draft; with ``guide``, one that follows it as the server's rows do
+        (``model.generation.DraftSampling``)."""
         context = [int(t) for t in context]
         if num_tokens < 1:
             return []
         common = accepted_length(self.model.tokens, context)  # the cached prefix still valid
         start = min(common, len(context) - 1)  # at least the last token is fed: its logits start the draft
-        out = [int(self.model.decode(context[start:], start)[-1].argmax())]
-        while len(out) < num_tokens:
-            out.append(int(self.model.decode(out[-1:], len(context) + len(out) - 1)[-1].argmax()))
-        return out
+        following, out = list(guide), []
+        logits = self.model.decode(context[start:], start)[-1]
+        while True:
+            top = int(logits.argmax())
+            if len(out) < len(following) and takes_guide(torch.from_numpy(np.asarray(logits)), top,
+                                                          following[len(out)], guide_min_ratio):
+                out.append(int(following[len(out)]))
+            else:
+                following.clear()
+                out.append(top)
+            if len(out) == num_tokens:
+                return out
+            logits = self.model.decode(out[-1:], len(context) + len(out) - 1)[-1]
 
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
         return [self.draft_one(c, num_tokens) for c in contexts]
+
+    follows_guides = True
+
+    def draft_guided(self, contexts, num_tokens, guides, min_ratio):
+        if len(guides) != len(contexts):
+            raise ValueError(f"{len(contexts)} contexts but {len(guides)} guides")
+        return [self.draft_one(c, num_tokens, g, min_ratio) for c, g in zip(contexts, guides)]
 
     def reset(self) -> None:
         self.model.truncate(0)

@@ -50,11 +50,17 @@ def _prob_list(value: Any) -> bool:
                                            and math.isfinite(p) and 0 <= p <= 1 for p in value)
 
 
-def draft_request(context: Sequence[int], num_tokens: int, stop_confidence: float | None = None) -> dict:
-    """The ``POST /draft`` body for a greedy draft; ``stop_confidence`` only when set (absent: num_tokens always)."""
+def draft_request(context: Sequence[int], num_tokens: int, stop_confidence: float | None = None,
+                  guide: Sequence[int] = (), guide_min_ratio: float | None = None) -> dict:
+    """The ``POST /draft`` body for a greedy draft; ``stop_confidence`` only when set (absent: num_tokens always),
+    ``guide`` (its first num_tokens) only when not empty, with ``guide_min_ratio``."""
     body: dict[str, Any] = {"token_ids": [int(t) for t in context], "num_tokens": int(num_tokens)}
     if stop_confidence is not None:
         body["stop_confidence"] = float(stop_confidence)
+    if guide:
+        body["guide_ids"] = [int(t) for t in guide][:num_tokens]
+        if guide_min_ratio is not None:
+            body["guide_min_ratio"] = float(guide_min_ratio)
     return body
 
 
@@ -232,8 +238,9 @@ class HTTPDrafter(Drafter):
                 self.name, self._named = answer["model"], True
         return answer
 
-    def draft_one(self, context: Sequence[int], num_tokens: int) -> list[int]:
-        answer = self._post(draft_request(context, num_tokens, self.stop_confidence))
+    def draft_one(self, context: Sequence[int], num_tokens: int, guide: Sequence[int] = (),
+                  guide_min_ratio: float | None = None) -> list[int]:
+        answer = self._post(draft_request(context, num_tokens, self.stop_confidence, guide, guide_min_ratio))
         ids = answer.get("draft_ids")
         if not _int_list(ids) or len(ids) > num_tokens:
             raise DrafterError(f"{self.url}/draft: 'draft_ids' is not a list of at most {num_tokens} ints: "
@@ -244,6 +251,16 @@ class HTTPDrafter(Drafter):
         if len(contexts) == 1:
             return [self.draft_one(contexts[0], num_tokens)]
         return list(self._pool.map(lambda c: self.draft_one(c, num_tokens), contexts))
+
+    follows_guides = True
+
+    def draft_guided(self, contexts, num_tokens, guides, min_ratio):
+        if len(guides) != len(contexts):
+            raise ValueError(f"{len(contexts)} contexts but {len(guides)} guides")
+        if len(contexts) == 1:
+            return [self.draft_one(contexts[0], num_tokens, guides[0], min_ratio)]
+        return list(self._pool.map(lambda pair: self.draft_one(pair[0], num_tokens, pair[1], min_ratio),
+                                   zip(contexts, guides)))
 
     def draft_with_probs(self, contexts, num_tokens, params, generator=None):
         """The server samples (seeded from ``generator``: the same generator state, the same drafts) and answers

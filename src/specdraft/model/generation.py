@@ -16,6 +16,10 @@ import torch
 
 from specdraft.model.sampling import GREEDY, SamplingParams, sample_from, warp_probs
 
+# How much weight the draft must give a guide's token, against its most likely one, for the row to take it: a
+# fallback for callers that send a guide without the ratio their hybrid rule measured (``drafting.hybrid_rule``)
+DEFAULT_GUIDE_MIN_RATIO = 0.1
+
 
 @dataclass
 class Generation:
@@ -45,24 +49,37 @@ class DraftSampling:
     ``stop_confidence`` t ends the row after the first token whose confidence is below t, that token included
     (``drafting.cached.CachedDraftModel``'s "probability" rule, transformers' assistant confidence threshold): a
     greedy token's confidence is its probability under the draft's plain softmax, a sampled token's its probability
-    under the warped distribution it was drawn from. The tokens are the same with or without it, up to the stop."""
+    under the warped distribution it was drawn from. The tokens are the same with or without it, up to the stop.
+
+    ``guide`` (greedy rows only): a proposed continuation -- prompt lookup's copy, made by the client -- that the
+    row follows while the draft finds it plausible: at position i, ``guide[i]`` wherever its probability under the
+    draft's softmax is at least ``guide_min_ratio`` times the most likely token's, and from the first position
+    where it is not, the row's own argmax to the end (ratio 1: the plain greedy draft, up to exact ties). The draft
+    stays the model's: it only ever takes a token the model itself gives that much weight. The confidence of a
+    guided token, for ``stop_confidence``, is its own probability."""
 
     params: SamplingParams = GREEDY
     seed: int | None = None
     return_probs: bool = False
     top_alternatives: int = 0
     stop_confidence: float | None = None
+    guide: tuple[int, ...] = ()
+    guide_min_ratio: float = DEFAULT_GUIDE_MIN_RATIO
 
     def __post_init__(self) -> None:
         if self.top_alternatives < 0 or (self.top_alternatives and not self.return_probs):
             raise ValueError("top_alternatives must be >= 0, and > 0 only with return_probs")
         if self.stop_confidence is not None and not 0 < self.stop_confidence <= 1:
             raise ValueError(f"stop_confidence must be in (0, 1], got {self.stop_confidence!r}")
+        if not 0 < self.guide_min_ratio <= 1:
+            raise ValueError(f"guide_min_ratio must be in (0, 1], got {self.guide_min_ratio!r}")
+        if self.guide and (not self.params.greedy or self.top_alternatives):
+            raise ValueError("a guide is followed by greedy drafts without top_alternatives only")
 
     @property
     def plain(self) -> bool:
         """Greedy with nothing more to report or decide: the row takes the engine's argmax path and nothing else."""
-        return self.params.greedy and not self.return_probs and self.stop_confidence is None
+        return self.params.greedy and not self.return_probs and self.stop_confidence is None and not self.guide
 
 
 PLAIN = DraftSampling()
@@ -82,6 +99,17 @@ def top_alternatives(probs: torch.Tensor, logits: torch.Tensor, k: int) -> tuple
     return ids.tolist(), probs[ids].tolist()
 
 
+def takes_guide(logits: torch.Tensor, top: int, proposed: int, min_ratio: float) -> bool:
+    """Whether a guided greedy draft takes the guide's ``proposed`` token at a position with next-token ``logits``
+    [V] (``top``: their argmax): it is the argmax, or has at least ``min_ratio`` of the argmax's probability."""
+    if proposed == top:
+        return True
+    if not 0 <= proposed < logits.shape[-1]:
+        return False
+    probs = torch.softmax(logits.float(), -1)
+    return float(probs[proposed]) >= min_ratio * float(probs[top])
+
+
 class RowSampler:
     """A row's ``DraftSampling`` at work: its generator and what it has recorded so far."""
 
@@ -98,10 +126,13 @@ class RowSampler:
         self.alternative_ids: list[list[int]] = []
         self.alternative_probs: list[list[float]] = []
         self.stopped = False  # the last token's confidence fell below ``stop_confidence``
+        self.on_guide = bool(settings.guide)  # still following its guide (``DraftSampling.guide``)
 
     def pick(self, logits: torch.Tensor, greedy_token: int) -> int:
         """The row's token from its next-token ``logits`` [V] (``greedy_token`` is their argmax), recorded."""
         s = self.settings
+        if self.on_guide:
+            return self._follow_guide(logits, greedy_token)
         if s.params.greedy and s.stop_confidence is not None:
             # the greedy one-hot says nothing about confidence: the plain softmax's top probability does
             self.stopped = float(torch.softmax(logits.float(), -1).max()) < s.stop_confidence
@@ -118,6 +149,21 @@ class RowSampler:
             ids, values = top_alternatives(probs, logits, s.top_alternatives)
             self.alternative_ids.append(ids)
             self.alternative_probs.append(values)
+        return token
+
+    def _follow_guide(self, logits: torch.Tensor, greedy_token: int) -> int:
+        """The guide's next token where the draft gives it enough weight; else the argmax, and off the guide."""
+        s = self.settings
+        position = len(self.probs)
+        proposed = s.guide[position] if position < len(s.guide) else None
+        token = greedy_token
+        if proposed is not None and takes_guide(logits, greedy_token, proposed, s.guide_min_ratio):
+            token = proposed
+        else:
+            self.on_guide = False
+        if s.stop_confidence is not None:
+            self.stopped = float(torch.softmax(logits.float(), -1)[token]) < s.stop_confidence
+        self.probs.append(1.0)  # greedy: the one-hot at the token taken
         return token
 
     def report(self) -> dict:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Iterable, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, WithJsonSchema, create_model, field_validator
 
 from specdraft.core.wire import DRAFT_TOKENS, MAX_TOP_ALTERNATIVES
-from specdraft.model.generation import DraftSampling
+from specdraft.model.generation import DEFAULT_GUIDE_MIN_RATIO, DraftSampling
 from specdraft.model.sampling import SamplingParams
 
 MAX_ERROR_DETAILS = 20
@@ -59,7 +59,9 @@ def draft_sampling(request: BaseModel) -> DraftSampling:
                          seed=sampling.seed if sampling else None,
                          return_probs=request.return_probs,  # type: ignore[attr-defined]
                          top_alternatives=request.top_alternatives,  # type: ignore[attr-defined]
-                         stop_confidence=request.stop_confidence)  # type: ignore[attr-defined]
+                         stop_confidence=request.stop_confidence,  # type: ignore[attr-defined]
+                         guide=tuple(request.guide_ids or ()),  # type: ignore[attr-defined]
+                         guide_min_ratio=request.guide_min_ratio or DEFAULT_GUIDE_MIN_RATIO)  # type: ignore
 
 
 class DraftResponse(BaseModel):
@@ -114,7 +116,8 @@ class Health(BaseModel):
 def draft_request_model(vocab_size: int, max_context: int, num_draft: int) -> type[BaseModel]:
     """``DraftRequest`` for one loaded draft: token ids strictly ints in [0, vocab_size), at most
     ``max_context`` of them; ``num_tokens`` in [1, num_draft], default num_draft; the optional sampling block,
-    ``return_probs``, ``top_alternatives`` (at most the vocabulary) and ``stop_confidence`` (in (0, 1])."""
+    ``return_probs``, ``top_alternatives`` (at most the vocabulary), ``stop_confidence`` (in (0, 1]) and a greedy
+    draft's ``guide_ids`` (at most num_draft of them) with their ``guide_min_ratio`` (in (0, 1])."""
     token_id = Annotated[int, Strict(), Field(ge=0, le=vocab_size - 1)]
     top_limit = min(MAX_TOP_ALTERNATIVES, vocab_size)
     return create_model(
@@ -148,13 +151,40 @@ def draft_request_model(vocab_size: int, max_context: int, num_draft: int) -> ty
                         "a greedy token's probability under the draft's softmax, a sampled token's under the "
                         "distribution it was drawn from. The answer then says why it ended (stop_reason) and may "
                         "hold fewer than num_tokens tokens; absent or null: always num_tokens")], None),
-        __validators__={"needs_return_probs": field_validator("top_alternatives")(_needs_return_probs)},
+        guide_ids=(Annotated[list[token_id], Strict(), Field(
+            min_length=1, max_length=num_draft,
+            description=f"a proposed continuation (1..{num_draft} token ids; e.g. prompt lookup's copy, made by the "
+                        "client) that a greedy draft follows while the draft model gives each of its tokens at least "
+                        "guide_min_ratio of its most likely token's probability; from the first one it does not, "
+                        "the draft is the model's own argmax. Greedy only, without top_alternatives")] | None, None),
+        guide_min_ratio=(Annotated[float, Strict(), Field(
+            gt=0, le=1, allow_inf_nan=False,
+            description=f"with guide_ids: the weight a guide token needs, as a fraction of the most likely token's "
+                        f"probability (1: the plain greedy draft); absent: {DEFAULT_GUIDE_MIN_RATIO}")] | None, None),
+        __validators__={"needs_return_probs": field_validator("top_alternatives")(_needs_return_probs),
+                        "guide_greedy": field_validator("guide_ids")(_guide_needs_greedy),
+                        "ratio_needs_guide": field_validator("guide_min_ratio")(_ratio_needs_guide)},
     )
 
 
 def _needs_return_probs(cls, value: int, info: ValidationInfo) -> int:
     if value and not info.data.get("return_probs", False):
         raise ValueError("needs return_probs: true")
+    return value
+
+
+def _guide_needs_greedy(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+    sampling = info.data.get("sampling")
+    if value is not None and sampling is not None and sampling.temperature > 0:
+        raise ValueError("a guide is followed by greedy drafts only (sampling.temperature 0 or no sampling block)")
+    if value is not None and info.data.get("top_alternatives"):
+        raise ValueError("a guide is followed without top_alternatives only")
+    return value
+
+
+def _ratio_needs_guide(cls, value: float | None, info: ValidationInfo) -> float | None:
+    if value is not None and not info.data.get("guide_ids"):
+        raise ValueError("needs guide_ids")
     return value
 
 
@@ -208,7 +238,8 @@ def _allowed_fields(loc: Iterable[Any]) -> list[str]:
     inside = [p for p in loc if p != "body"][:-1]
     if inside[:1] == ["sampling"]:
         return list(SamplingRequest.model_fields)
-    return ["token_ids", "num_tokens", "sampling", "return_probs", "top_alternatives", "stop_confidence"]
+    return ["token_ids", "num_tokens", "sampling", "return_probs", "top_alternatives", "stop_confidence", "guide_ids",
+            "guide_min_ratio"]
 
 
 # JSON's names for Python's types, bool before int (a bool is an int)

@@ -21,6 +21,7 @@ distributions, so with ``--server`` the drafter's distributions come from the pa
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,13 @@ from specdraft.core.config import StageConfig
 from specdraft.core.io import RecordFileError, atomic_write_json, atomic_write_text, sha256_file
 from specdraft.core.provenance import run_metadata, stage_log
 from specdraft.core.records import load_validation
-from specdraft.drafting.acceptance import evaluate_at_temperatures, evaluate_drafter
+from specdraft.drafting.acceptance import evaluate_at_temperatures, evaluate_drafter, guided_acceptance
 from specdraft.drafting.base import Drafter, DrafterError
 from specdraft.drafting.batched import ModelDrafter
 from specdraft.drafting.hybrid import HybridDrafter
-from specdraft.drafting.hybrid_rule import measure_rules, rule_points
-from specdraft.drafting.lookup import LookupDrafter
+from specdraft.drafting.hybrid_rule import GUIDE_MIN_RATIOS, HybridRule, calibration_split, measure_rules, rule_points
+from specdraft.drafting.lookup import MAX_NGRAM, LookupDrafter, lookup_match
+from specdraft.drafting.metrics import accepted_length
 from specdraft.drafting.remote import HTTPDrafter
 from specdraft.model.device import DEVICE_HELP, resolve_device
 from specdraft.model.loader import load_draft
@@ -201,16 +203,60 @@ def acceptance_at_temperature(config: EvalConfig, drafter: Drafter, source: dict
     return result
 
 
-def hybrid_rule_record(report: dict[str, Any], points, k: int) -> dict[str, Any]:
+def hybrid_rule_record(report: dict[str, Any], points, k: int, drafter: Drafter,
+                       scorer: Drafter | None) -> dict[str, Any]:
     """``measure_rules`` over the model's accepted lengths in ``report`` and lookup's, measured here; each point's
-    lookup figures join its ``per_point`` row."""
+    lookup figures join its ``per_point`` row. With ``scorer`` (the model in process, teacher-forced) the guided rules
+    are candidates too, scored from its distributions along each point's reference tokens; where a guided rule is
+    chosen, ``drafter`` drafts the reported points guided, so that what the record reports is measured, and the
+    record says how often the prediction matched (``guided_check``)."""
     rows = rule_points(points, [row["accepted"] for row in report["per_point"]], k)
     for row, scored in zip(report["per_point"], rows):
         row["lookup_accepted"], row["lookup_match"] = scored.lookup, scored.match
+    guides = [lookup_match(p.context_ids, k, MAX_NGRAM, 1)[0] for p in points]
+    if scorer is not None:
+        log.info("scoring the guided hybrid rules (ratios %s) from %s's distributions along the reference tokens",
+                 ", ".join(f"{r:g}" for r in GUIDE_MIN_RATIOS), scorer.name)
+        scores = guided_acceptance(scorer, points, guides, GUIDE_MIN_RATIOS, k)
+        rows = [replace(r, guided=g) for r, g in zip(rows, scores)]
+        for row, predicted in zip(report["per_point"], scores):
+            row["guided_predicted"] = {f"{r:g}": n for r, n in predicted.items()}
+    else:
+        log.info("guided hybrid rules not scored: they need the draft's distributions (--model-dir, or --pack-dir "
+                 "with --server)")
     record = measure_rules(rows)
+    chosen = HybridRule.from_json(record["chosen"])
+    if chosen.guided:
+        reported = [i for i, cal in enumerate(calibration_split(rows)) if not cal and guides[i]]
+        ratio = chosen.guide_min_ratio
+        drafts = drafter.draft_guided([points[i].context_ids for i in reported], k, [guides[i] for i in reported],
+                                      ratio)
+        measured = {i: accepted_length(d[:k], points[i].target_ids[:k]) for i, d in zip(reported, drafts)}
+        check = {"points": len(measured), "predicted_equal": sum(rows[i].guided[ratio] == a
+                                                                 for i, a in measured.items()),
+                 "guide_min_ratio": ratio,
+                 "what": "the reported points with a lookup draft, drafted guided at the chosen ratio: how many "
+                         "accept what the teacher-forced prediction said (the reported figures are the drafted "
+                         "ones; the calibration's and the other ratios' are predictions)"}
+        rows = [replace(r, guided={**r.guided, ratio: measured[i]}) if i in measured else r
+                for i, r in enumerate(rows)]
+        record = measure_rules(rows)
+        record["guided_check"] = check
+        log.info("guided drafts on %d reported points: %d as predicted", check["points"], check["predicted_equal"])
     log.info("hybrid rule chosen on %d calibration points: %s", record["split"]["calibration"]["points"],
              record["chosen_words"])
     return record
+
+
+def guided_scorer(config: EvalConfig, drafter: Drafter) -> Drafter | None:
+    """The model in process whose teacher-forced distributions score the guided rules: the drafter itself with
+    --model-dir, the served pack with --server and --pack-dir; None otherwise."""
+    if drafter.teacher_forced_paths:
+        return drafter
+    if config.server and config.pack_dir is not None:
+        scorer, _ = build_drafter(config, config.pack_dir)
+        return scorer
+    return None
 
 
 def run_eval(config: EvalConfig) -> int:
@@ -237,7 +283,13 @@ def run_eval(config: EvalConfig) -> int:
             if drafter.backpressure is not None:
                 report["backpressure"] = drafter.backpressure
             if config.choose_hybrid_rule:
-                report["hybrid_rule"] = hybrid_rule_record(report, points, config.k)
+                scorer = guided_scorer(config, drafter)
+                try:
+                    with torch.inference_mode():
+                        report["hybrid_rule"] = hybrid_rule_record(report, points, config.k, drafter, scorer)
+                finally:
+                    if scorer is not None and scorer is not drafter:
+                        scorer.close()
             if drafter.lookup_used is not None:  # counted by the greedy pass alone
                 report["hybrid"] = {"min_ngram": config.hybrid_min_ngram, "lookup_points": drafter.lookup_used,
                                     "model_points": drafter.model_used}

@@ -1,0 +1,118 @@
+"""A guided greedy draft (``DraftSampling.guide``): the row takes each guide token while the draft gives it at least
+``guide_min_ratio`` of its top probability, then its own argmax. The slot engine's rows equal the no-cache reference
+(``naive_draft``), batched as alone; the in-process drafters (stateless, kept cache) give the same drafts; the
+teacher-forced prediction (``guided_acceptance``) equals what decoding accepts."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdraft.core.records import ValidationPoint
+from specdraft.drafting.acceptance import guided_acceptance
+from specdraft.drafting.batched import ModelDrafter
+from specdraft.drafting.cached import CachedDraftModel
+from specdraft.drafting.metrics import accepted_length
+from specdraft.model.decode import draft_batch, draft_rows
+from specdraft.model.generation import DraftSampling, takes_guide
+from specdraft.model.sampling import SamplingParams
+from specdraft.model.simple_decode import naive_draft
+
+N = 8
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen3_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def probs_along(model, context, tokens):
+    """The draft's plain softmax before each of ``tokens`` after ``context`` (one forward)."""
+    logits = model(input_ids=torch.tensor([context + tokens[:-1]])).logits[0, len(context) - 1:]
+    return torch.softmax(logits.float(), -1)
+
+
+def guides_for(model, contexts, rng):
+    """Per context a guide of each kind: the plain draft itself; its first tokens then the least likely token; the
+    second most likely first token, then random tokens; random tokens."""
+    plain = draft_batch(model, contexts, N)
+    vocab = model.config.vocab_size
+    out = []
+    for i, (c, p) in enumerate(zip(contexts, plain)):
+        probs = probs_along(model, c, p)
+        j = rng.randrange(N)
+        kinds = [p, p[:j] + [int(probs[j].argmin())] + p[j + 1:], [int(probs[0].topk(2).indices[1])]
+                 + [rng.randrange(vocab) for _ in range(N - 1)], [rng.randrange(vocab) for _ in range(N)]]
+        out.append(kinds[i % len(kinds)])
+    return plain, out
+
+
+def test_guided_rows_equal_the_reference_batched_as_alone(model):
+    rng = random.Random(5)
+    vocab = model.config.vocab_size
+    contexts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (3, 9, 9, 20, 1, 6, 12, 4)]
+    plain, guides = guides_for(model, contexts, rng)
+    for ratio in (0.05, 0.5, 1.0):
+        sampling = [DraftSampling(guide=tuple(g), guide_min_ratio=ratio) for g in guides]
+        rows = draft_rows(model, contexts, N, sampling)
+        alone = [draft_rows(model, [c], N, [s])[0] for c, s in zip(contexts, sampling)]
+        for c, s, row, single, p in zip(contexts, sampling, rows, alone, plain):
+            ref = naive_draft(model, c, N, s)
+            assert row.tokens == ref.tokens == single.tokens
+            if ratio == 1.0:  # only the model's own argmax is ever taken: the plain draft
+                assert row.tokens == p
+    # the plain draft as its own guide is followed to the end; a zero-weight token is refused
+    assert draft_rows(model, contexts[:1], N, [DraftSampling(guide=tuple(plain[0]), guide_min_ratio=0.9)])[0].tokens \
+        == plain[0]
+    assert draft_rows(model, contexts[1:2], N, [DraftSampling(guide=tuple(guides[1]), guide_min_ratio=0.01)])[0] \
+        .tokens == plain[1]
+
+
+def test_a_guide_is_taken_exactly_where_its_token_has_the_ratio(model):
+    """The second most likely first token is taken below its ratio to the top and refused above it; after it the
+    draft continues as the model's plain draft of the context extended by it."""
+    context = [5, 9, 11, 30, 2]
+    probs = probs_along(model, context, [0])[0]
+    top, second = probs.topk(2).values.tolist()
+    token = int(probs.topk(2).indices[1])
+    after = draft_batch(model, [context + [token]], N - 1)[0]
+    taken = draft_rows(model, [context], N, [DraftSampling(guide=(token,), guide_min_ratio=second / top / 2)])[0]
+    assert taken.tokens == [token] + after
+    refused = draft_rows(model, [context], N, [DraftSampling(guide=(token,),
+                                                             guide_min_ratio=min(1.0, 2 * second / top))])[0]
+    assert refused.tokens == draft_batch(model, [context], N)[0]
+    logits = torch.log(probs)
+    assert takes_guide(logits, int(probs.argmax()), token, second / top / 2)
+    assert not takes_guide(logits, int(probs.argmax()), token, min(1.0, 2 * second / top))
+    assert not takes_guide(logits, int(probs.argmax()), model.config.vocab_size + 3, 0.01)  # outside the vocabulary
+
+
+def test_in_process_drafters_and_the_prediction_agree_with_the_rows(model):
+    rng = random.Random(9)
+    vocab = model.config.vocab_size
+    contexts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (4, 11, 7, 16)]
+    plain, guides = guides_for(model, contexts, rng)
+    ratio = 0.2
+    rows = [r.tokens for r in draft_rows(model, contexts, N, [DraftSampling(guide=tuple(g), guide_min_ratio=ratio)
+                                                             for g in guides])]
+    assert ModelDrafter(model, max_batch_size=3).draft_guided(contexts, N, guides, ratio) == rows
+    cached = CachedDraftModel(model, lean=False)
+    assert cached.draft_guided(contexts, N, guides, ratio) == rows
+    assert cached.draft_guided(contexts[:1], N, [[]], ratio) == [plain[0]]  # no guide: the plain draft
+    # the prediction from the distributions along a reference: what the drafted rows accept of it
+    references = [[row[0]] + [rng.randrange(vocab) for _ in range(N - 1)] if i % 2 else row
+                  for i, row in enumerate(rows)]
+    points = [ValidationPoint(f"p{i}", "all", 0, c, r) for i, (c, r) in enumerate(zip(contexts, references))]
+    predicted = guided_acceptance(ModelDrafter(model), points, guides, [ratio], N)
+    assert [p[ratio] for p in predicted] == [accepted_length(row, ref) for row, ref in zip(rows, references)]
+    assert guided_acceptance(ModelDrafter(model), points, [[]] * len(points), [ratio], N) == [{}] * len(points)
+
+
+def test_a_guide_only_for_greedy_rows():
+    with pytest.raises(ValueError, match="greedy"):
+        DraftSampling(SamplingParams(temperature=0.7), guide=(1, 2))
+    with pytest.raises(ValueError, match="guide_min_ratio"):
+        DraftSampling(guide=(1,), guide_min_ratio=0.0)
+    assert not DraftSampling(guide=(1,)).plain and DraftSampling().plain
