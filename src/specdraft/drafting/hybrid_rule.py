@@ -252,7 +252,8 @@ def _gains_per_prompt(points: Sequence[RulePoint], rule: HybridRule, against: Hy
 def choose_rule(calibration: Sequence[RulePoint]) -> HybridRule:
     """The best threshold over the calibration points, and a category's own best where that category has
     ``MIN_CATEGORY_PROMPTS`` calibration prompts and its best beats the overall choice on more than half of them
-    and loses on none."""
+    and loses on none: among the plain thresholds, or among the guided ones at the best ratio where those beat the
+    plain choice beyond noise (``guided_against_plain``)."""
     if not calibration:
         raise ValueError("no calibration points to choose a hybrid rule on")
     plain, guided, gain = guided_against_plain(calibration)
