@@ -46,6 +46,11 @@ prefix cache). It reports the tokens drafted per call, the share of calls stoppe
 the contexts it and `reuse` both sent where its draft is `reuse`'s draft's prefix (bit for bit, as the server
 promises).
 
+With --guide-ratio R [R ...] there are settings `guided_R` and `llama_engine_guided_R`: every request carries prompt
+lookup's copy of its context as `guide_ids` with `guide_min_ratio` R (the client's `HybridDrafter` under a guided
+rule; the lookup runs in the loop, outside the server's time), so a call's draft takes the copy where the draft finds
+it plausible. Its accepted tokens per call are what it changes.
+
 Per level and setting: server time per generated token (the calls' latencies summed over the tokens the loops
 generated: what a loop waits per token) and generated tokens per second (over the level's wall time), p50 / p99 of a
 call (a 503's Retry-After waited out and the request sent again, the wait counted in the call; the 503s counted),
@@ -91,6 +96,7 @@ from harness import (
 from specdraft.core.wire import DRAFT_TOKENS
 from specdraft.data.corpus import heldout_path
 from specdraft.data.mt_bench import read_mt_bench
+from specdraft.drafting.lookup import lookup_match
 from specdraft.drafting.metrics import accepted_length
 from specdraft.drafting.mt_bench import second_turn_context
 from specdraft.drafting.remote import MAX_RETRY_WAIT_S, retry_after_seconds
@@ -111,6 +117,7 @@ class Setting:
     args: tuple[str, ...] = ()
     fields: dict[str, Any] = field(default_factory=dict)
     llama_engine: bool = False  # `specdraft serve --engine llama.cpp --gguf` the draft's GGUF export
+    guide_min_ratio: float | None = None  # each request carries prompt lookup's copy as its guide (``guide_ids``)
 
 
 REUSE_SETTINGS = {"reuse": Setting(), "no_reuse": Setting(args=("--prefix-cache-mb", "0")),
@@ -128,6 +135,14 @@ def stop_settings(thresholds: list[float]) -> dict[str, Setting]:
                for t in thresholds},
             **{f"no_reuse_stop_{t:g}": Setting(args=("--prefix-cache-mb", "0"), fields={"stop_confidence": t})
                for t in thresholds}}
+
+
+def guided_settings(ratios: list[float]) -> dict[str, Setting]:
+    """For each ratio, requests that carry prompt lookup's copy of the context as their guide (the client's
+    ``HybridDrafter`` under a guided rule; the lookup runs in the loop, outside the server's time), in torch and in
+    the llama.cpp engine, with the server's default prefix cache."""
+    return {**{f"guided_{r:g}": Setting(guide_min_ratio=r) for r in ratios},
+            **{f"llama_engine_guided_{r:g}": Setting(guide_min_ratio=r, llama_engine=True) for r in ratios}}
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -235,9 +250,9 @@ class SpecdraftLoopServer:
     /health sampled in a thread."""
 
     def __init__(self, draft_dir: Path, extra: list[str], fields: dict[str, Any], log_path: Path,
-                 start_timeout: float):
+                 start_timeout: float, guide_min_ratio: float | None = None):
         self.process = ServerProcess(draft_dir, log_path, extra)
-        self.fields, self.start_timeout = fields, start_timeout
+        self.fields, self.start_timeout, self.guide_min_ratio = fields, start_timeout, guide_min_ratio
         self.cache_peak = 0
         self._sampling = threading.Event()
         self._sampler = threading.Thread(target=self._sample_cache, daemon=True)
@@ -269,7 +284,12 @@ class SpecdraftLoopServer:
             if choice["compute"] == "int4" else ["--compute", choice["compute"]]
 
     def request(self, context: list[int], num_draft: int) -> tuple[str, dict[str, Any]]:
-        return "/draft", {"token_ids": context, "num_tokens": num_draft, **self.fields}
+        body = {"token_ids": context, "num_tokens": num_draft, **self.fields}
+        if self.guide_min_ratio is not None:
+            guide = lookup_match(context, num_draft)[0]
+            if guide:
+                body.update(guide_ids=guide, guide_min_ratio=self.guide_min_ratio)
+        return "/draft", body
 
     def reply(self, answer: dict[str, Any]) -> Reply:
         return Reply(answer["draft_ids"], stopped=answer.get("stop_reason") == "confidence")
@@ -394,7 +414,8 @@ def run_level(args, draft_dir: Path, runs: list[dict], warmup: dict, loops: int,
     else:
         engine = ["--engine", "llama.cpp", "--gguf", str(args.gguf)] if setting.llama_engine else compute_args
         extra = ["--threads", str(args.threads), *engine, *setting.args, *shlex.split(args.serve_args)]
-        with SpecdraftLoopServer(draft_dir, extra, setting.fields, log_path, args.start_timeout) as server:
+        with SpecdraftLoopServer(draft_dir, extra, setting.fields, log_path, args.start_timeout,
+                                 setting.guide_min_ratio) as server:
             if not setting.llama_engine:
                 compute_args = server.compute_args()
             speculate_run(server, warmup, args.num_draft, [])
@@ -499,11 +520,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                          "(--tiny adds _tiny)")
     p.add_argument("--stop-confidence", type=float, nargs="+", default=None,
                    help="also drafts that stop at each of these thresholds (`stop_T`, the prefix cache on)")
+    p.add_argument("--guide-ratio", type=float, nargs="+", default=None,
+                   help="also requests guided by prompt lookup's copy at each of these ratios (`guided_R`, "
+                        "`llama_engine_guided_R`, the prefix cache on)")
     return p.parse_args(argv)
 
 
 def choose_settings(args) -> dict[str, Setting]:
-    settings = {**REUSE_SETTINGS, **stop_settings(args.stop_confidence or [])}
+    settings = {**REUSE_SETTINGS, **stop_settings(args.stop_confidence or []),
+                **guided_settings(args.guide_ratio or [])}
     if not args.llama_server.is_file():
         log.info("no llama-server at %s (bench/build_llama_cpp.sh builds it): its setting is left out",
                  args.llama_server)

@@ -373,6 +373,10 @@ def _loop_setting_label(name: str) -> str:
         return f"torch, stop {name.removeprefix('stop_')}"
     if name.startswith("llama_engine_stop_"):
         return f"llama.cpp, stop {name.removeprefix('llama_engine_stop_')}"
+    if name.startswith("guided_"):
+        return f"torch, guided {name.removeprefix('guided_')}"
+    if name.startswith("llama_engine_guided_"):
+        return f"llama.cpp, guided {name.removeprefix('llama_engine_guided_')}"
     return LOOP_SETTINGS.get(name, name)
 
 
@@ -380,7 +384,8 @@ def _loop_short_label(name: str) -> str:
     """A setting in a few words: its engine, and where it ends drafts early."""
     engine = "llama.cpp engine" if name.startswith("llama_engine") else "torch engine"
     stop = name.rsplit("stop_", 1)[1] if "stop_" in name else None
-    return engine + (f" stopping below {stop}" if stop else "")
+    guided = name.rsplit("guided_", 1)[1] if "guided_" in name else None
+    return engine + (f" stopping below {stop}" if stop else "") + (f" guided by lookup ({guided})" if guided else "")
 
 
 def _loop_draft(fig: dict[str, Any]) -> str:
