@@ -15,7 +15,7 @@ from specdraft.drafting.batched import ModelDrafter
 from specdraft.drafting.cached import CachedDraftModel
 from specdraft.drafting.metrics import accepted_length
 from specdraft.model.decode import draft_batch, draft_rows
-from specdraft.model.generation import DraftSampling, takes_guide
+from specdraft.model.generation import DraftSampling, GuideFollower
 from specdraft.model.sampling import SamplingParams
 from specdraft.model.simple_decode import naive_draft
 
@@ -83,10 +83,12 @@ def test_a_guide_is_taken_exactly_where_its_token_has_the_ratio(model):
     refused = draft_rows(model, [context], N, [DraftSampling(guide=(token,),
                                                              guide_min_ratio=min(1.0, 2 * second / top))])[0]
     assert refused.tokens == draft_batch(model, [context], N)[0]
-    logits = torch.log(probs)
-    assert takes_guide(logits, int(probs.argmax()), token, second / top / 2)
-    assert not takes_guide(logits, int(probs.argmax()), token, min(1.0, 2 * second / top))
-    assert not takes_guide(logits, int(probs.argmax()), model.config.vocab_size + 3, 0.01)  # outside the vocabulary
+    best = int(probs.argmax())
+    assert GuideFollower([token], second / top / 2).pick(probs, best) == token
+    refusing = GuideFollower([token, token], min(1.0, 2 * second / top))
+    assert refusing.pick(probs, best) == best and not refusing.on
+    assert refusing.pick(probs, best) == best  # off the guide for good, though its token is proposed again
+    assert GuideFollower([model.config.vocab_size + 3], 0.01).pick(probs, best) == best  # outside the vocabulary
 
 
 def test_in_process_drafters_and_the_prediction_agree_with_the_rows(model):

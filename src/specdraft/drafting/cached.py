@@ -14,7 +14,7 @@ from specdraft.drafting.batched import model_path_probs
 from specdraft.drafting.calibration import AcceptanceCalibration
 from specdraft.drafting.metrics import accepted_length
 from specdraft.model.forward import crop_cache, extend
-from specdraft.model.generation import takes_guide
+from specdraft.model.generation import GuideFollower
 from specdraft.model.lean import CompiledSteps, lean_forward
 from specdraft.model.sampling import GREEDY, SamplingParams, sample_from, warp_probs
 from specdraft.quant.linear import is_prefill
@@ -140,15 +140,13 @@ class CachedDraftModel(Drafter):
         self.fed_tokens += len(feed)
         rows: list[torch.Tensor] = []
 
-        following = list(guide)
+        follower = GuideFollower(guide, guide_min_ratio)
 
         def choose(logits: torch.Tensor) -> int:
             if params.greedy:
                 top = int(logits[0, -1].argmax())
-                if len(out) < len(following):
-                    if takes_guide(logits[0, -1], top, following[len(out)], guide_min_ratio):
-                        return following[len(out)]
-                    following.clear()
+                if follower.on:
+                    return follower.pick(torch.softmax(logits[0, -1].float(), -1), top)
                 return top
             rows.append(warp_probs(logits[0, -1], params).cpu())  # sampled on the CPU: the generator lives there
             return int(sample_from(rows[-1], generator))
@@ -160,9 +158,7 @@ class CachedDraftModel(Drafter):
                 return float(torch.softmax(logits[0, -1].float(), -1)[out[-1]])
             return float(rows[-1][out[-1]])
 
-        out: list[int] = []  # before the first choice: ``choose`` reads how far the draft is
-        out.append(choose(logits))
-        probs, still_kept = [], 1.0
+        out, probs, still_kept = [choose(logits)], [], 1.0
         for _ in range(k - 1):
             if self.min_confidence:
                 probs.append(probability(logits))

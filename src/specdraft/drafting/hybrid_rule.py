@@ -40,6 +40,7 @@ from specdraft.drafting.metrics import (
     group_summary,
     paired_difference,
 )
+from specdraft.model.generation import GuideFollower
 
 DEFAULT_HYBRID_MIN_NGRAM = 2
 # The thresholds tried, most lookup first (a tie goes to the rule that drafts more for free); None: never lookup
@@ -154,19 +155,9 @@ def guided_accepted(probs: Any, target: Sequence[int], guide: Sequence[int], min
     """The accepted length of the guided draft (``model.generation.DraftSampling``) against ``target``, from the
     model's distributions along it (``probs`` [len(target), V], row i after the context and target[:i]): up to the
     first miss the draft's context is the target's, so the walk needs no decoding."""
-    accepted, on_guide = 0, bool(guide)
+    accepted, follower = 0, GuideFollower(guide, min_ratio)
     for i, want in enumerate(target):
-        row = probs[i]
-        top = int(row.argmax())
-        token = top
-        if on_guide and i < len(guide):
-            proposed = int(guide[i])
-            if proposed == top or (0 <= proposed < row.shape[-1]
-                                   and float(row[proposed]) >= min_ratio * float(row[top])):
-                token = proposed
-            else:
-                on_guide = False
-        if token != want:
+        if follower.pick(probs[i], int(probs[i].argmax())) != want:
             break
         accepted += 1
     return accepted

@@ -12,7 +12,7 @@ import torch
 
 from specdraft.drafting.base import Drafter
 from specdraft.drafting.metrics import accepted_length
-from specdraft.model.generation import takes_guide
+from specdraft.model.generation import GuideFollower
 from specdraft.model.llamacpp import LlamaCppModel, llama_cpp_module
 
 
@@ -34,16 +34,12 @@ class LlamaCppDrafter(Drafter):
             return []
         common = accepted_length(self.model.tokens, context)  # the cached prefix still valid
         start = min(common, len(context) - 1)  # at least the last token is fed: its logits start the draft
-        following, out = list(guide), []
+        follower, out = GuideFollower(guide, guide_min_ratio), []
         logits = self.model.decode(context[start:], start)[-1]
         while True:
             top = int(logits.argmax())
-            if len(out) < len(following) and takes_guide(torch.from_numpy(np.asarray(logits)), top,
-                                                          following[len(out)], guide_min_ratio):
-                out.append(int(following[len(out)]))
-            else:
-                following.clear()
-                out.append(top)
+            out.append(follower.pick(torch.softmax(torch.from_numpy(np.asarray(logits)).float(), -1), top)
+                       if follower.on else top)
             if len(out) == num_tokens:
                 return out
             logits = self.model.decode(out[-1:], len(context) + len(out) - 1)[-1]

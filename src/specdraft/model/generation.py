@@ -99,15 +99,27 @@ def top_alternatives(probs: torch.Tensor, logits: torch.Tensor, k: int) -> tuple
     return ids.tolist(), probs[ids].tolist()
 
 
-def takes_guide(logits: torch.Tensor, top: int, proposed: int, min_ratio: float) -> bool:
-    """Whether a guided greedy draft takes the guide's ``proposed`` token at a position with next-token ``logits``
-    [V] (``top``: their argmax): it is the argmax, or has at least ``min_ratio`` of the argmax's probability."""
-    if proposed == top:
-        return True
-    if not 0 <= proposed < logits.shape[-1]:
-        return False
-    probs = torch.softmax(logits.float(), -1)
-    return float(probs[proposed]) >= min_ratio * float(probs[top])
+class GuideFollower:
+    """A greedy draft's walk along its guide (``DraftSampling.guide``): at each position the guide's token while the
+    draft gives it at least ``min_ratio`` of its most likely token's probability; from the first position where it
+    does not (or past the guide's end) the draft's own argmax. The one rule the server's rows, the in-process
+    drafters and eval's teacher-forced walk (``drafting.hybrid_rule.guided_accepted``) follow."""
+
+    def __init__(self, guide: Sequence[int], min_ratio: float):
+        self.guide, self.min_ratio = tuple(int(t) for t in guide), min_ratio
+        self.position = 0
+        self.on = bool(self.guide)  # still on the guide: callers need the probabilities only while it is
+
+    def pick(self, probs: torch.Tensor, top: int) -> int:
+        """The next position's token from the draft's probabilities there [V] (``top``: their argmax)."""
+        i, self.position = self.position, self.position + 1
+        if self.on and i < len(self.guide):
+            proposed = self.guide[i]
+            if proposed == top or (0 <= proposed < probs.shape[-1]
+                                   and float(probs[proposed]) >= self.min_ratio * float(probs[top])):
+                return proposed
+        self.on = False
+        return top
 
 
 class RowSampler:
@@ -126,12 +138,12 @@ class RowSampler:
         self.alternative_ids: list[list[int]] = []
         self.alternative_probs: list[list[float]] = []
         self.stopped = False  # the last token's confidence fell below ``stop_confidence``
-        self.on_guide = bool(settings.guide)  # still following its guide (``DraftSampling.guide``)
+        self.guide = GuideFollower(settings.guide, settings.guide_min_ratio) if settings.guide else None
 
     def pick(self, logits: torch.Tensor, greedy_token: int) -> int:
         """The row's token from its next-token ``logits`` [V] (``greedy_token`` is their argmax), recorded."""
         s = self.settings
-        if self.on_guide:
+        if self.guide is not None and self.guide.on:
             return self._follow_guide(logits, greedy_token)
         if s.params.greedy and s.stop_confidence is not None:
             # the greedy one-hot says nothing about confidence: the plain softmax's top probability does
@@ -153,16 +165,10 @@ class RowSampler:
 
     def _follow_guide(self, logits: torch.Tensor, greedy_token: int) -> int:
         """The guide's next token where the draft gives it enough weight; else the argmax, and off the guide."""
-        s = self.settings
-        position = len(self.probs)
-        proposed = s.guide[position] if position < len(s.guide) else None
-        token = greedy_token
-        if proposed is not None and takes_guide(logits, greedy_token, proposed, s.guide_min_ratio):
-            token = proposed
-        else:
-            self.on_guide = False
-        if s.stop_confidence is not None:
-            self.stopped = float(torch.softmax(logits.float(), -1)[token]) < s.stop_confidence
+        probs = torch.softmax(logits.float(), -1)
+        token = self.guide.pick(probs, greedy_token)
+        if self.settings.stop_confidence is not None:
+            self.stopped = float(probs[token]) < self.settings.stop_confidence
         self.probs.append(1.0)  # greedy: the one-hot at the token taken
         return token
 
