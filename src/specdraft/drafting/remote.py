@@ -248,13 +248,12 @@ class HTTPDrafter(Drafter):
         return ids
 
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
-        if len(contexts) == 1:
-            return [self.draft_one(contexts[0], num_tokens)]
-        return list(self._pool.map(lambda c: self.draft_one(c, num_tokens), contexts))
+        return self.draft_guided(contexts, num_tokens, [()] * len(contexts), None)  # no guide: the plain request
 
     follows_guides = True
 
     def draft_guided(self, contexts, num_tokens, guides, min_ratio):
+        """One request per context (its guide only where it has one), up to ``concurrency`` in flight."""
         if len(guides) != len(contexts):
             raise ValueError(f"{len(contexts)} contexts but {len(guides)} guides")
         if len(contexts) == 1:
