@@ -191,17 +191,17 @@ class RulePoint:
         return max(self.model, self.lookup)
 
 
-def rule_points(points: Sequence[ValidationPoint], model_accepted: Sequence[int], k: int) -> list[RulePoint]:
-    """Each point with the model's accepted length (``model_accepted``, from its own evaluation) and lookup's,
-    measured here (lookup as ``HybridDrafter`` runs it under a rule: n = 4 down to 1)."""
+def rule_points(points: Sequence[ValidationPoint], model_accepted: Sequence[int], k: int,
+                lookups: Sequence[tuple[list[int], int]] | None = None) -> list[RulePoint]:
+    """Each point with the model's accepted length (``model_accepted``, from its own evaluation) and lookup's:
+    ``lookups`` (each point's ``lookup_match``, where the caller has them), else measured here (lookup as
+    ``HybridDrafter`` runs it under a rule: n = 4 down to 1)."""
     if len(points) != len(model_accepted):
         raise ValueError(f"{len(model_accepted)} accepted lengths for {len(points)} points")
-    out = []
-    for p, a in zip(points, model_accepted):
-        draft, match = lookup_match(p.context_ids, k, MAX_NGRAM, 1)
-        out.append(RulePoint(p.id, p.category, len(p.context_ids), int(a),
-                             accepted_length(draft[:k], p.target_ids[:k]), match))
-    return out
+    if lookups is None:
+        lookups = [lookup_match(p.context_ids, k, MAX_NGRAM, 1) for p in points]
+    return [RulePoint(p.id, p.category, len(p.context_ids), int(a), accepted_length(draft[:k], p.target_ids[:k]),
+                      match) for p, a, (draft, match) in zip(points, model_accepted, lookups)]
 
 
 def calibration_split(points: Sequence[RulePoint]) -> list[bool]:
@@ -245,9 +245,10 @@ def choose_rule(calibration: Sequence[RulePoint]) -> HybridRule:
     ``MIN_CATEGORY_PROMPTS`` calibration prompts and its best beats the overall choice on more than half of them
     and loses on none: among the plain thresholds, or among the guided ones at the best ratio where those beat the
     plain choice beyond noise (``guided_against_plain``)."""
-    if not calibration:
-        raise ValueError("no calibration points to choose a hybrid rule on")
-    plain, guided, gain = guided_against_plain(calibration)
+    return _chosen(*guided_against_plain(calibration))
+
+
+def _chosen(plain: HybridRule, guided: HybridRule | None, gain: Mapping[str, Any]) -> HybridRule:
     return guided if guided is not None and gain["above"] else plain
 
 
@@ -256,6 +257,8 @@ def guided_against_plain(calibration: Sequence[RulePoint]) -> tuple[HybridRule, 
     one per calibration point with its 90% interval over prompts). ``choose_rule`` takes the guided rule only where
     that whole interval is above zero: it calls the model on every context lookup would have answered for free, so
     a gain within its prompts' noise does not pay for it (docs/history.md, "Lookup as the draft's guide")."""
+    if not calibration:
+        raise ValueError("no calibration points to choose a hybrid rule on")
     plain = _choose_for(calibration, None)
     guided, best_total = None, -1
     for ratio in scored_ratios(calibration):
@@ -328,8 +331,8 @@ def measure_rules(points: Sequence[RulePoint]) -> dict[str, Any]:
     side = calibration_split(points)
     calibration = [p for p, c in zip(points, side) if c]
     reported = [p for p, c in zip(points, side) if not c]
-    chosen = choose_rule(calibration)
     plain, guided, gain = guided_against_plain(calibration)
+    chosen = _chosen(plain, guided, gain)  # choose_rule's choice, its comparison kept for the record
     rules = candidates(scored_ratios(points))
     return {
         "candidates": {candidate_key(r.min_match, r.guide_min_ratio): {

@@ -210,10 +210,11 @@ def hybrid_rule_record(report: dict[str, Any], points, k: int, drafter: Drafter,
     are candidates too, scored from its distributions along each point's reference tokens; where a guided rule is
     chosen, ``drafter`` drafts the reported points guided, so that what the record reports is measured, and the
     record says how often the prediction matched (``guided_check``)."""
-    rows = rule_points(points, [row["accepted"] for row in report["per_point"]], k)
+    lookups = [lookup_match(p.context_ids, k, MAX_NGRAM, 1) for p in points]
+    guides = [draft for draft, _ in lookups]
+    rows = rule_points(points, [row["accepted"] for row in report["per_point"]], k, lookups)
     for row, scored in zip(report["per_point"], rows):
         row["lookup_accepted"], row["lookup_match"] = scored.lookup, scored.match
-    guides = [lookup_match(p.context_ids, k, MAX_NGRAM, 1)[0] for p in points]
     if scorer is not None:
         log.info("scoring the guided hybrid rules (ratios %s) from %s's distributions along the reference tokens",
                  ", ".join(f"{r:g}" for r in GUIDE_MIN_RATIOS), scorer.name)
