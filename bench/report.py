@@ -70,9 +70,8 @@ def readme_results() -> str:
     hybrid = _per_turn(mt["hybrid_rule"]["reported"]["per_category"])
     default_mt = b["default"].get("mt_bench")  # its demo's own evaluation, where it had MT-bench
     # the default demo's pack on its demo's own MT-bench points, its rule chosen as eval chooses it now
-    default_rule = RESULTS / "mt_bench_demo_default.avx512-bf16.json"
-    default_hybrid = (_per_turn(json.loads(default_rule.read_text())["figures"]["hybrid_rule"]["reported"]
-                                ["per_category"]) if default_rule.exists() else None)
+    default_hybrid = _per_turn(load("mt_bench_demo_default.avx512-bf16")["figures"]["hybrid_rule"]["reported"]
+                               ["per_category"])
     lines += ["", f"| MT-bench, all {mt['questions']} questions, both turns (never trained on), turn 1 / turn 2 | "
               "`small` | `default` |", "|---|---:|---:|"]
     lines += [f"| {label}, every point | {mt[key]['turn1']['mean']:.2f} / {mt[key]['turn2']['mean']:.2f} | "
@@ -82,8 +81,7 @@ def readme_results() -> str:
     for label, column in (("on the half of the prompts the hybrid's rule was not chosen on: trained draft",
                            "draft_only"), ("there: prompt lookup", "lookup_alone"),
                           ("there: trained draft behind lookup, its rule measured on the other half", "chosen")):
-        lines.append(f"| {label} | {_turns(hybrid, column)} | "
-                     + (f"{_turns(default_hybrid, column)} |" if default_hybrid else "— |"))
+        lines.append(f"| {label} | {_turns(hybrid, column)} | {_turns(default_hybrid, column)} |")
     torch_full = b["full"]["speedup_torch"]
     best = max(llama["figures"]["drafters"][:-1], key=lambda r: r["speedup"])  # the last row is the F32 target's
     trained = next(r for r in llama["figures"]["drafters"] if r["name"] == "draft")
@@ -108,9 +106,8 @@ def readme_results() -> str:
               f"MT-bench: `small` by `bench/bench_mt_bench.py` with the "
               f"{CLASS_NAMES[mt_result['machine']['cpu_class']]} EPYC's own `small` draft ({mt['points']} points, "
               f"{mt['scored_tokens']} target tokens scored after each turn, {mt_result['date']})"
-              + (f", `default` by its demo ({default_mt['points']} points, {default_mt['scored_tokens']} tokens"
-                 + ("; its hybrid by `bench/bench_mt_bench.py --validation` on those points" if default_hybrid
-                    else "") + ")." if default_mt else ".")]
+              + (f", `default` by its demo ({default_mt['points']} points, {default_mt['scored_tokens']} tokens; its "
+                 "hybrid by `bench/bench_mt_bench.py --validation` on those points)." if default_mt else ".")]
     return "\n".join(lines)
 
 
