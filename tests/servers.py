@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdraft.server.app import bind_socket, make_server, url_of
+from specdraft.server.app import bind_socket, create_app, make_server, url_of
 from specdraft.server.config import ServeConfig
 
 
@@ -34,6 +34,15 @@ class ThreadServer:
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
+
+
+def lanes_server(engine, model_dir, block: int, long_context: int) -> ThreadServer:
+    """The packed draft served with small pieces, so that a few dozen tokens reach every path: its prefix cache in
+    ``block``-token blocks, contexts past ``long_context`` tokens in the long lane, prefilled ``block`` at a time."""
+    cfg = ServeConfig(model_dir=str(model_dir), max_wait_ms=30, max_batch_size=8, prefix_cache_mb=64,
+                      prefix_block_tokens=block, long_context_tokens=long_context, prefill_chunk_tokens=block,
+                      threads=1)
+    return ThreadServer(create_app(cfg, engine), cfg)
 
 
 def metric_samples(url: str) -> dict[tuple[str, tuple], float]:

@@ -8,17 +8,17 @@ import random
 import httpx
 import pytest
 
-from servers import ThreadServer, post_together
+from servers import lanes_server, post_together
 from specdraft.drafting.hybrid import HybridDrafter
 from specdraft.drafting.hybrid_rule import HybridRule
 from specdraft.drafting.lookup import lookup_match
 from specdraft.drafting.remote import HTTPDrafter
 from specdraft.model.generation import DraftSampling
 from specdraft.model.simple_decode import naive_draft
-from specdraft.server.app import create_app
-from specdraft.server.config import ServeConfig
 from specdraft.server.engine import load_engine
 
+BLOCK = 8
+LONG_CONTEXT = 24  # beyond it the long lane, prefilled in pieces
 NUM_DRAFT = 16
 
 
@@ -29,9 +29,7 @@ def engine(packed_dir):
 
 @pytest.fixture(scope="module")
 def url(engine, packed_dir):
-    cfg = ServeConfig(model_dir=str(packed_dir), max_wait_ms=30, max_batch_size=8, prefix_cache_mb=64,
-                      prefix_block_tokens=8, long_context_tokens=24, prefill_chunk_tokens=8, threads=1)
-    with ThreadServer(create_app(cfg, engine), cfg) as srv:
+    with lanes_server(engine, packed_dir, BLOCK, LONG_CONTEXT) as srv:
         yield srv.url
 
 
@@ -44,7 +42,7 @@ def test_a_guided_draft_is_the_reference_decoders(url, engine):
     vocab = engine.vocab_size
     followed = 0
     bodies = []
-    for length in (2, 7, 19, 40, 70):  # 40 and 70: the long lane, prefilled in chunks
+    for length in (2, 7, 19, 40, 70):  # 40 and 70: past LONG_CONTEXT
         context = [rng.randrange(vocab) for _ in range(length)]
         plain = post(url, {"token_ids": context}).json()
         assert set(plain) == {"draft_ids", "model"}  # without the field: today's answer

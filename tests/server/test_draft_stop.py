@@ -10,10 +10,8 @@ import httpx
 import pytest
 import torch
 
-from servers import ThreadServer, metric_samples, post_together
+from servers import lanes_server, metric_samples, post_together
 from specdraft.model.generation import DraftSampling
-from specdraft.server.app import create_app
-from specdraft.server.config import ServeConfig
 from specdraft.server.engine import load_engine, torch_lane
 from specdraft.server.scheduler import Draft
 
@@ -32,10 +30,7 @@ def engine(packed_dir):
 
 @pytest.fixture(scope="module")
 def url(engine, packed_dir):
-    cfg = ServeConfig(model_dir=str(packed_dir), max_wait_ms=30, max_batch_size=8, prefix_cache_mb=64,
-                      prefix_block_tokens=BLOCK, long_context_tokens=LONG_CONTEXT, prefill_chunk_tokens=BLOCK,
-                      threads=1)
-    with ThreadServer(create_app(cfg, engine), cfg) as srv:
+    with lanes_server(engine, packed_dir, BLOCK, LONG_CONTEXT) as srv:
         yield srv.url
 
 
