@@ -47,9 +47,10 @@ the contexts it and `reuse` both sent where its draft is `reuse`'s draft's prefi
 promises).
 
 With --guide-ratio R [R ...] there are settings `guided_R` and `llama_engine_guided_R`: every request carries prompt
-lookup's copy of its context as `guide_ids` with `guide_min_ratio` R (the client's `HybridDrafter` under a guided
-rule; the lookup runs in the loop, outside the server's time), so a call's draft takes the copy where the draft finds
-it plausible. Its accepted tokens per call are what it changes.
+lookup's copies of its context (`lookup_continuations`) as `guide_ids` and `guide_alternatives` with
+`guide_min_ratio` R (the client's `HybridDrafter` under a guided rule; the lookup runs in the loop, outside the
+server's time), so a call's draft takes a copy's token where the draft finds it plausible. Its accepted tokens per
+call are what it changes.
 
 Per level and setting: server time per generated token (the calls' latencies summed over the tokens the loops
 generated: what a loop waits per token) and generated tokens per second (over the level's wall time), p50 / p99 of a
@@ -96,10 +97,10 @@ from harness import (
 from specdraft.core.wire import DRAFT_TOKENS
 from specdraft.data.corpus import heldout_path
 from specdraft.data.mt_bench import read_mt_bench
-from specdraft.drafting.lookup import lookup_match
+from specdraft.drafting.lookup import lookup_continuations
 from specdraft.drafting.metrics import accepted_length
 from specdraft.drafting.mt_bench import second_turn_context
-from specdraft.drafting.remote import MAX_RETRY_WAIT_S, retry_after_seconds
+from specdraft.drafting.remote import MAX_RETRY_WAIT_S, draft_request, retry_after_seconds
 from specdraft.server.process import ServerProcess
 
 log = logging.getLogger("specdraft.bench")
@@ -117,7 +118,7 @@ class Setting:
     args: tuple[str, ...] = ()
     fields: dict[str, Any] = field(default_factory=dict)
     llama_engine: bool = False  # `specdraft serve --engine llama.cpp --gguf` the draft's GGUF export
-    guide_min_ratio: float | None = None  # each request carries prompt lookup's copy as its guide (``guide_ids``)
+    guide_min_ratio: float | None = None  # each request carries prompt lookup's copies as its guides
 
 
 REUSE_SETTINGS = {"reuse": Setting(), "no_reuse": Setting(args=("--prefix-cache-mb", "0")),
@@ -286,9 +287,8 @@ class SpecdraftLoopServer:
     def request(self, context: list[int], num_draft: int) -> tuple[str, dict[str, Any]]:
         body = {"token_ids": context, "num_tokens": num_draft, **self.fields}
         if self.guide_min_ratio is not None:
-            guide = lookup_match(context, num_draft)[0]
-            if guide:
-                body.update(guide_ids=guide, guide_min_ratio=self.guide_min_ratio)
+            body.update(draft_request(context, num_draft, guides=lookup_continuations(context, num_draft)[0],
+                                      guide_min_ratio=self.guide_min_ratio))
         return "/draft", body
 
     def reply(self, answer: dict[str, Any]) -> Reply:

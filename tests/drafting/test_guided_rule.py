@@ -1,4 +1,4 @@
-"""The guided hybrid rules: lookup's draft as the model's guide instead of its replacement. The accepted length
+"""The guided hybrid rules: lookup's copies as the model's guides instead of its replacement. The accepted length
 walked from the model's distributions along the target, the rule as data, a guided rule chosen only where the
 calibration points say it accepts more, the eval's record measuring the chosen one by drafting, and the client
 sending the guide only where the rule uses lookup."""
@@ -21,7 +21,7 @@ from specdraft.drafting.hybrid_rule import (
     guided_accepted,
     measure_rules,
 )
-from specdraft.drafting.lookup import lookup_match
+from specdraft.drafting.lookup import lookup_continuations
 from specdraft.drafting.remote import HTTPDrafter
 from specdraft.stages.evaluate import hybrid_rule_record
 
@@ -44,16 +44,18 @@ def test_the_walk_takes_the_guide_while_its_token_has_the_ratio_then_the_models_
     guide = [1, 2, 7, 4, 5]  # wrong at position 2
     # the model's top is the target everywhere: leaving the guide at 2 keeps it right to the end
     probs = rows_with(target, {2: (7, 0.01)})
-    assert guided_accepted(probs, target, guide, 0.1) == 5  # 0.01 < 0.1 * 0.5: the guide's 7 refused
-    assert guided_accepted(probs, target, guide, 0.01) == 2  # 0.01 >= 0.01 * 0.5: taken, and wrong
+    assert guided_accepted(probs, target, [guide], 0.1) == 5  # 0.01 < 0.1 * 0.5: the guide's 7 refused
+    assert guided_accepted(probs, target, [guide], 0.01) == 2  # 0.01 >= 0.01 * 0.5: taken, and wrong
+    # an earlier occurrence's copy beside it: where the two part, the draft takes the one it finds likelier
+    assert guided_accepted(probs, target, [guide, [1, 2, 3, 4, 5]], 0.01) == 5
     # the model's top is wrong at 1, the guide right there with enough weight: the guide carries it
     probs = rows_with([1, 9, 3, 4, 5], {1: (2, 0.2)})
-    assert guided_accepted(probs, target, [1, 2, 3, 4, 5], 0.3) == 5
-    assert guided_accepted(probs, target, [1, 2, 3, 4, 5], 0.5) == 1
+    assert guided_accepted(probs, target, [[1, 2, 3, 4, 5]], 0.3) == 5
+    assert guided_accepted(probs, target, [[1, 2, 3, 4, 5]], 0.5) == 1
     assert guided_accepted(probs, target, [], 0.1) == 1  # no guide: the model alone
-    # once off the guide it is never taken again, even where it is the target
+    # once off the guides it never takes them again, even where they hold the target
     probs = rows_with([1, 9, 9, 4, 5], {1: (2, 0.01)})
-    assert guided_accepted(probs, [1, 9, 3, 4, 5], [1, 2, 3, 4, 5], 0.1) == 2
+    assert guided_accepted(probs, [1, 9, 3, 4, 5], [[1, 2, 3, 4, 5]], 0.1) == 2
 
 
 def test_the_rule_as_data_and_its_checks():
@@ -93,7 +95,7 @@ def test_a_guided_rule_is_chosen_only_where_it_accepts_more_and_only_when_scored
 
 
 class Guided(Drafter):
-    """Records what it is asked; drafts ``answer(context, guide)``."""
+    """Records what it is asked; drafts ``answer(context, its first guide)``."""
 
     name = "guided"
     follows_guides = True
@@ -105,41 +107,44 @@ class Guided(Drafter):
     def draft(self, contexts, n):
         return [self.answer(c, [])[:n] for c in contexts]
 
-    def draft_guided(self, contexts, n, guides, min_ratio):
-        self.calls.append((list(map(list, contexts)), list(map(list, guides)), min_ratio))
-        return [self.answer(c, g)[:n] for c, g in zip(contexts, guides)]
+    def draft_guided(self, contexts, n, guides, min_ratios):
+        self.calls.append((list(map(list, contexts)), [[list(g) for g in gs] for gs in guides], list(min_ratios)))
+        return [self.answer(c, gs[0] if gs else [])[:n] for c, gs in zip(contexts, guides)]
 
     def path_probs(self, context, continuation, settings):
         return [DraftDistributions.full([0] * len(continuation), self.probs(context, continuation))]
 
 
-def test_the_hybrid_sends_lookups_draft_as_the_guide_only_where_the_rule_uses_it():
-    repeated = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # lookup: match 3, draft 4 5 6 1 2 3
+def test_the_hybrid_sends_lookups_copies_as_the_guides_only_where_the_rule_uses_it():
+    repeated = [1, 2, 3, 4, 1, 2, 3, 5, 6, 1, 2, 3]  # lookup: match 3, copies 5 6 1 2 then 4 1 2 3
     fresh = [7, 8, 9]
     model = Guided(lambda c, g: (g or [0]) * 2)
     hybrid = HybridDrafter(model, rule=HybridRule(3, guide_min_ratio=0.3))
-    assert hybrid.draft([repeated, fresh], 4) == [[4, 5, 6, 1], [0, 0]]
-    assert model.calls == [([repeated, fresh], [[4, 5, 6, 1], []], 0.3)]
+    assert hybrid.draft([repeated, fresh], 4) == [[5, 6, 1, 2], [0, 0]]
+    assert model.calls == [([repeated, fresh], [[[5, 6, 1, 2], [4, 1, 2, 3]], []], [0.3, 0.3])]
     assert hybrid.lookup_used == 1 and hybrid.model_used == 1
     assert "guided0.3" in hybrid.name
     with pytest.raises(ValueError, match="guides"):
         HybridDrafter(Drafter.__new__(type("Plain", (Drafter,), {"draft": lambda self, c, n: []})),
                       rule=HybridRule(3, guide_min_ratio=0.3))
     with pytest.raises(DrafterError, match="does not follow guides"):
-        Drafter.draft_guided(model, [[1]], 4, [[2]], 0.1)
+        Drafter.draft_guided(model, [[1]], 4, [[[2]]], [0.1])
 
 
-def test_the_http_drafter_sends_the_guide_and_its_ratio():
+def test_the_http_drafter_sends_the_guides_and_their_ratio():
     bodies = []
 
     def handle(request):
         bodies.append(json.loads(request.content))
         return httpx.Response(200, json={"draft_ids": [1, 2], "model": "m"})
     with HTTPDrafter("http://server", concurrency=2, transport=httpx.MockTransport(handle)) as http:
-        assert http.draft_guided([[5, 6], [7]], 2, [[1, 2, 3], []], 0.2) == [[1, 2], [1, 2]]
+        assert http.draft_guided([[5, 6], [7], [8]], 2, [[[1, 2, 3], [4, 5, 6]], [], [[3]]], [0.2, 0.2, 0.5]) \
+            == [[1, 2]] * 3
         http.draft([[5]], 2)
     by_context = {tuple(b["token_ids"]): b for b in bodies}
     assert by_context[(5, 6)]["guide_ids"] == [1, 2] and by_context[(5, 6)]["guide_min_ratio"] == 0.2
+    assert by_context[(5, 6)]["guide_alternatives"] == [[4, 5]]  # each cut to num_tokens, as the first
+    assert by_context[(8,)] == {"token_ids": [8], "num_tokens": 2, "guide_ids": [3], "guide_min_ratio": 0.5}
     assert set(by_context[(7,)]) == {"token_ids", "num_tokens"} == set(by_context[(5,)])  # no guide: today's body
 
 
@@ -165,5 +170,5 @@ def test_the_eval_record_reports_the_chosen_guided_rule_as_drafted_not_as_predic
     assert record["reported"]["overall"]["chosen"]["mean_accepted"] == 2  # as drafted
     assert record["guided_check"]["points"] == 4 and record["guided_check"]["predicted_equal"] == 0
     _, guides, _ = drafter.calls[0]
-    assert guides == [lookup_match(p.context_ids, 4)[0] for p in points[1::2]]  # the reported points only
+    assert guides == [lookup_continuations(p.context_ids, 4)[0] for p in points[1::2]]  # the reported points only
     assert report["per_point"][0]["lookup_match"] == 3

@@ -179,7 +179,7 @@ def test_a_draft_that_stops_is_the_full_drafts_prefix(engine):
 
 
 def test_a_guided_row_follows_its_guide_as_the_in_process_llamacpp_drafter_does(draft, engine):
-    """A guided row (``DraftSampling.guide``) gets what ``LlamaCppDrafter`` drafts with the same guide in process;
+    """A guided row (``DraftSampling.guides``) gets what ``LlamaCppDrafter`` drafts with the same guides in process;
     the plain draft as its guide is followed to the end, a guide of random tokens at ratio 1 gives the plain draft."""
     from specdraft.drafting.llamacpp import LlamaCppDrafter
 
@@ -189,11 +189,12 @@ def test_a_guided_row_follows_its_guide_as_the_in_process_llamacpp_drafter_does(
         for n in (6, 21, 45):
             context = [rng.randrange(3, engine.vocab_size) for _ in range(n)]
             plain = alone(engine, context)[0]
-            for guide, ratio in ((plain, 1.0), ([rng.randrange(3, engine.vocab_size) for _ in range(NUM_DRAFT)], 1.0),
-                                 (plain[:3] + [rng.randrange(3, engine.vocab_size) for _ in range(5)], 0.05)):
-                got = alone(engine, context, DraftSampling(guide=tuple(guide), guide_min_ratio=ratio))[0]
+            noise = [rng.randrange(3, engine.vocab_size) for _ in range(NUM_DRAFT)]
+            for guides, ratio in (([plain], 1.0), ([noise], 1.0), ([plain[:3] + noise[:5]], 0.05),
+                                  ([noise, plain[:6]], 0.05)):
+                got = alone(engine, context, DraftSampling(guides=tuple(map(tuple, guides)), guide_min_ratio=ratio))[0]
                 in_process.reset()
-                assert got == in_process.draft_guided([context], NUM_DRAFT, [guide], ratio)[0]
+                assert got == in_process.draft_guided([context], NUM_DRAFT, [guides], [ratio])[0]
                 if ratio == 1.0:
                     assert got == plain
     finally:

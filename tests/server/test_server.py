@@ -346,7 +346,17 @@ def test_openapi_documents_the_limits(live):
     assert props["return_probs"]["type"] == "boolean" and props["return_probs"]["default"] is False
     assert props["top_alternatives"]["maximum"] == 64 and props["top_alternatives"]["minimum"] == 0
     assert "return_probs" in props["top_alternatives"]["description"]
-    assert {"properties": {"return_probs": {"const": True}}, "required": ["return_probs"]} in req["anyOf"]
+    # the fields' dependencies, as a client generated from the schema sees them (schemathesis' own validator)
+    import jsonschema_rs
+    validator = jsonschema_rs.Draft202012Validator({**req, "components": spec["components"]})
+    for body, valid in (({}, True), ({"top_alternatives": 2, "return_probs": True}, True),
+                        ({"top_alternatives": 2}, False),
+                        ({"guide_ids": [1], "guide_min_ratio": 0.5}, True), ({"guide_alternatives": [[1]]}, True),
+                        ({"guide_min_ratio": 0.5}, False), ({"guide_ids": None, "guide_min_ratio": 0.5}, False),
+                        ({"guide_ids": [1], "top_alternatives": 2, "return_probs": True}, False),
+                        ({"guide_alternatives": [[1]], "sampling": {"temperature": 0.7}}, False),
+                        ({"guide_ids": [1], "sampling": {"temperature": 0, "top_k": 3}}, True)):
+        assert validator.is_valid({"token_ids": [1, 2, 3], **body}) is valid, body
     assert props["sampling"]["anyOf"][0]["$ref"] == "#/components/schemas/SamplingRequest"
     stop = props["stop_confidence"]["anyOf"][0]
     assert stop == {"type": "number", "exclusiveMinimum": 0, "maximum": 1}

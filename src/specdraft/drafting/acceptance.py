@@ -216,12 +216,14 @@ def shared_paths(points: Sequence[ValidationPoint], k: int) -> list[tuple[list[i
     return groups
 
 
-def guided_acceptance(drafter: Drafter, points: Sequence[ValidationPoint], guides: Sequence[Sequence[int]],
-                      ratios: Sequence[float], k: int = 16) -> list[dict[float, int]]:
-    """Per point, the accepted length of the drafter's greedy draft guided by that point's guide (empty: none) at
-    each of ``ratios`` (``hybrid_rule.guided_accepted``), from its plain distributions along the point's reference
-    tokens: one teacher-forced forward per token path (``shared_paths``). A prediction of what guided decoding
-    drafts: a near-tie may round the other way in a decode step, as ``model_path_probs`` says of greedy drafts."""
+def guided_acceptance(drafter: Drafter, points: Sequence[ValidationPoint],
+                      guides: Sequence[Sequence[Sequence[int]]], ratios: Sequence[float],
+                      k: int = 16) -> list[dict[float, int]]:
+    """Per point, the accepted length of the drafter's greedy draft guided by that point's guides (none: not
+    scored) at each of ``ratios`` (``hybrid_rule.guided_accepted``), from its plain distributions along the
+    point's reference tokens: one teacher-forced forward per token path (``shared_paths``). A prediction of what
+    guided decoding drafts: a near-tie may round the other way in a decode step, as ``model_path_probs`` says of
+    greedy drafts."""
     if not drafter.teacher_forced_paths:
         raise DrafterError(f"{drafter.name}: its distributions along a path are not teacher-forced")
     plain = SamplingParams(temperature=1.0)

@@ -106,14 +106,14 @@ class Drafter(ABC):
         """Why torch.compile failed for a compiled draft that fell back to eager steps; None otherwise."""
         return None
 
-    # Whether ``draft_guided`` follows a guide (a model drafter in process or behind a server does)
+    # Whether ``draft_guided`` follows guides (a model drafter in process or behind a server does)
     follows_guides: bool = False
 
-    def draft_guided(self, contexts: Sequence[Sequence[int]], num_tokens: int, guides: Sequence[Sequence[int]],
-                     min_ratio: float) -> list[list[int]]:
-        """Greedy drafts that follow each context's guide (a proposed continuation; empty: none) while the model
-        gives each guide token at least ``min_ratio`` of its top probability (``model.generation.DraftSampling``).
-        Only drafters with ``follows_guides``."""
+    def draft_guided(self, contexts: Sequence[Sequence[int]], num_tokens: int,
+                     guides: Sequence[Sequence[Sequence[int]]], min_ratios: Sequence[float]) -> list[list[int]]:
+        """Greedy drafts that follow each context's guides (proposed continuations, at most ``MAX_GUIDES``; none: a
+        plain draft) while the model gives the guide token it takes at least that context's ``min_ratios`` share of
+        its top probability (``model.generation.GuideFollower``). Only drafters with ``follows_guides``."""
         raise DrafterError(f"{self.name}: this drafter does not follow guides (a draft model in process or behind "
                            "a draft server does)")
 
@@ -163,3 +163,10 @@ class NoDraft(Drafter):
 
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
         return [[] for _ in contexts]
+
+
+def check_guided(contexts: Sequence[Sequence[int]], guides: Sequence[Sequence[Sequence[int]]],
+                 min_ratios: Sequence[float]) -> None:
+    """``draft_guided``'s arguments line up: one list of guides and one ratio per context."""
+    if not len(guides) == len(min_ratios) == len(contexts):
+        raise ValueError(f"{len(contexts)} contexts but {len(guides)} lists of guides and {len(min_ratios)} ratios")

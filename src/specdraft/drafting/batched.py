@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from specdraft.drafting.base import DraftDistributions, Drafter
+from specdraft.drafting.base import DraftDistributions, Drafter, check_guided
 from specdraft.model.decode import draft_batch, draft_rows
 from specdraft.model.forward import extend
 from specdraft.model.generation import DraftSampling
@@ -69,14 +69,14 @@ class ModelDrafter(Drafter):
 
     follows_guides = True
 
-    def draft_guided(self, contexts, num_tokens, guides, min_ratio):
+    def draft_guided(self, contexts, num_tokens, guides, min_ratios):
         """The server's guided rows (``draft_rows``: each row as alone), ``max_batch_size`` at a time."""
-        if len(guides) != len(contexts):
-            raise ValueError(f"{len(contexts)} contexts but {len(guides)} guides")
+        check_guided(contexts, guides, min_ratios)
         out: list[list[int]] = []
         for start in range(0, len(contexts), self.max_batch_size):
             chunk = range(start, min(len(contexts), start + self.max_batch_size))
-            sampling = [DraftSampling(guide=tuple(guides[i])[:num_tokens], guide_min_ratio=min_ratio) for i in chunk]
+            sampling = [DraftSampling(guides=tuple(tuple(g)[:num_tokens] for g in guides[i] if len(g)),
+                                      guide_min_ratio=min_ratios[i]) for i in chunk]
             out += [g.tokens for g in draft_rows(self.model, [contexts[i] for i in chunk], num_tokens, sampling)]
         return out
 

@@ -9,7 +9,7 @@ from typing import Literal, Sequence
 import torch
 from transformers import DynamicCache
 
-from specdraft.drafting.base import DraftDistributions, Drafter
+from specdraft.drafting.base import DraftDistributions, Drafter, check_guided
 from specdraft.drafting.batched import model_path_probs
 from specdraft.drafting.calibration import AcceptanceCalibration
 from specdraft.drafting.metrics import accepted_length
@@ -99,10 +99,10 @@ class CachedDraftModel(Drafter):
 
     follows_guides = True
 
-    def draft_guided(self, contexts, num_tokens, guides, min_ratio):
-        if len(guides) != len(contexts):
-            raise ValueError(f"{len(contexts)} contexts but {len(guides)} guides")
-        return [self._draft_one(c, num_tokens, guide=g, guide_min_ratio=min_ratio)[0] for c, g in zip(contexts, guides)]
+    def draft_guided(self, contexts, num_tokens, guides, min_ratios):
+        check_guided(contexts, guides, min_ratios)
+        return [self._draft_one(c, num_tokens, guides=g, guide_min_ratio=r)[0]
+                for c, g, r in zip(contexts, guides, min_ratios)]
 
     def draft_with_probs(self, contexts, num_tokens, params, generator=None):
         if params.greedy:  # the greedy draft, bit for bit as ``draft`` gives it
@@ -116,10 +116,10 @@ class CachedDraftModel(Drafter):
 
     @torch.inference_mode()
     def _draft_one(self, context: Sequence[int], k: int, params: SamplingParams = GREEDY,
-                   generator: torch.Generator | None = None, guide: Sequence[int] = (),
+                   generator: torch.Generator | None = None, guides: Sequence[Sequence[int]] = (),
                    guide_min_ratio: float = 1.0) -> tuple[list[int], torch.Tensor | None]:
         """(tokens, their q as [n, V]): greedy (q None), or sampled under ``params`` (the stop rule then reads q of
-        the drafted token instead of the greedy token's probability); a greedy draft follows ``guide`` as the
+        the drafted token instead of the greedy token's probability); a greedy draft follows ``guides`` as the
         server's rows do (``model.generation.DraftSampling``)."""
         if k <= 0:
             return [], None if params.greedy else torch.zeros(0, self.vocab_size)
@@ -140,7 +140,8 @@ class CachedDraftModel(Drafter):
         self.fed_tokens += len(feed)
         rows: list[torch.Tensor] = []
 
-        follower = GuideFollower(guide, guide_min_ratio)
+        follower = GuideFollower(guides, guide_min_ratio)
+        guided = follower.on  # before the walk: the follower leaves its guides as it goes
 
         def choose(logits: torch.Tensor) -> int:
             if params.greedy:
@@ -152,7 +153,7 @@ class CachedDraftModel(Drafter):
             return int(sample_from(rows[-1], generator))
 
         def probability(logits: torch.Tensor) -> float:
-            if params.greedy and not guide:
+            if params.greedy and not guided:
                 return top_probability(logits)
             if params.greedy:  # a guided token's own probability, as the server's rows read it
                 return float(torch.softmax(logits[0, -1].float(), -1)[out[-1]])

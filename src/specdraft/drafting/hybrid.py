@@ -6,8 +6,9 @@ reaches the rule's threshold instead; the fixed rule is the rule ``HybridRule(mi
 The two fail in different places: lookup wins in repetitive stretches (lists, code, restated text) and has
 nothing to say elsewhere; the model drafts everywhere but pays a forward pass per token. The model stays pure
 inference (the draft server never runs the lookup); the combination lives in the client. A guided rule
-(``HybridRule.guide_min_ratio``) sends lookup's draft along as the request's guide where the rule uses lookup: the
-model then drafts every context, taking the copy only where it finds it plausible itself.
+(``HybridRule.guide_min_ratio``) sends lookup's copies along as the request's guides where the rule uses lookup
+(``lookup_continuations``: what followed each earlier occurrence of the matched tokens): the model then drafts every
+context, taking a copy's token only where it finds it plausible itself.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 
 from specdraft.drafting.base import DraftDistributions, Drafter, DrafterError
 from specdraft.drafting.hybrid_rule import DEFAULT_HYBRID_MIN_NGRAM, HybridRule
-from specdraft.drafting.lookup import MAX_NGRAM, lookup_match
+from specdraft.drafting.lookup import MAX_NGRAM, lookup_continuations, lookup_match
 
 __all__ = ["DEFAULT_HYBRID_MIN_NGRAM", "HybridDrafter", "HybridRule"]
 
@@ -68,12 +69,18 @@ class HybridDrafter(Drafter):
         draft, match = lookup_match(context, num_tokens, self.max_ngram, 1)
         return draft if self.rule.uses_lookup(match) else []
 
+    def _guides(self, context: Sequence[int], num_tokens: int) -> list[list[int]]:
+        """Lookup's copies where the rule (its overall threshold) proposes lookup; none elsewhere."""
+        continuations, match = lookup_continuations(context, num_tokens, self.max_ngram, 1)
+        return continuations if self.rule.uses_lookup(match) else []
+
     def _guided(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
-        """Every context drafted by the model, with lookup's draft as its guide where the rule uses lookup."""
-        guides = [self._found(c, num_tokens) for c in contexts]
+        """Every context drafted by the model, with lookup's copies as its guides where the rule uses lookup."""
+        guides = [self._guides(c, num_tokens) for c in contexts]
         self.lookup_used += sum(bool(g) for g in guides)
         self.model_used += sum(not g for g in guides)
-        drafts = self.model_drafter.draft_guided(contexts, num_tokens, guides, self.rule.guide_min_ratio)
+        ratio = float(self.rule.guide_min_ratio)  # type: ignore[arg-type]
+        drafts = self.model_drafter.draft_guided(contexts, num_tokens, guides, [ratio] * len(contexts))
         if len(drafts) != len(contexts):
             raise DrafterError(f"model drafter returned {len(drafts)} drafts for {len(contexts)} contexts")
         return [list(d) for d in drafts]

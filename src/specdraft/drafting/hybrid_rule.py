@@ -151,11 +151,11 @@ def candidates(guide_ratios: Sequence[float] = ()) -> list[HybridRule]:
             + [HybridRule(t, guide_min_ratio=r) for r in guide_ratios for t in GUIDED_MIN_MATCH if t is not None])
 
 
-def guided_accepted(probs: Any, target: Sequence[int], guide: Sequence[int], min_ratio: float) -> int:
-    """The accepted length of the guided draft (``model.generation.DraftSampling``) against ``target``, from the
-    model's distributions along it (``probs`` [len(target), V], row i after the context and target[:i]): up to the
-    first miss the draft's context is the target's, so the walk needs no decoding."""
-    accepted, follower = 0, GuideFollower(guide, min_ratio)
+def guided_accepted(probs: Any, target: Sequence[int], guides: Sequence[Sequence[int]], min_ratio: float) -> int:
+    """The accepted length of the draft guided by ``guides`` (``model.generation.GuideFollower``) against
+    ``target``, from the model's distributions along it (``probs`` [len(target), V], row i after the context and
+    target[:i]): up to the first miss the draft's context is the target's, so the walk needs no decoding."""
+    accepted, follower = 0, GuideFollower(guides, min_ratio)
     for i, want in enumerate(target):
         if follower.pick(probs[i], int(probs[i].argmax())) != want:
             break

@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from specdraft.drafting.base import Drafter
+from specdraft.drafting.base import Drafter, check_guided
 from specdraft.drafting.metrics import accepted_length
 from specdraft.model.generation import GuideFollower
 from specdraft.model.llamacpp import LlamaCppModel, llama_cpp_module
@@ -25,16 +25,16 @@ class LlamaCppDrafter(Drafter):
         self.model, self.name = LlamaCppModel(path, n_ctx=n_ctx, threads=threads), name
         self.path = self.model.path
 
-    def draft_one(self, context: Sequence[int], num_tokens: int, guide: Sequence[int] = (),
+    def draft_one(self, context: Sequence[int], num_tokens: int, guides: Sequence[Sequence[int]] = (),
                   guide_min_ratio: float = 1.0) -> list[int]:
-        """A greedy draft; with ``guide``, one that follows it as the server's rows do
+        """A greedy draft; with ``guides``, one that follows them as the server's rows do
         (``model.generation.DraftSampling``)."""
         context = [int(t) for t in context]
         if num_tokens < 1:
             return []
         common = accepted_length(self.model.tokens, context)  # the cached prefix still valid
         start = min(common, len(context) - 1)  # at least the last token is fed: its logits start the draft
-        follower, out = GuideFollower(guide, guide_min_ratio), []
+        follower, out = GuideFollower(guides, guide_min_ratio), []
         logits = self.model.decode(context[start:], start)[-1]
         while True:
             top = int(logits.argmax())
@@ -49,10 +49,9 @@ class LlamaCppDrafter(Drafter):
 
     follows_guides = True
 
-    def draft_guided(self, contexts, num_tokens, guides, min_ratio):
-        if len(guides) != len(contexts):
-            raise ValueError(f"{len(contexts)} contexts but {len(guides)} guides")
-        return [self.draft_one(c, num_tokens, g, min_ratio) for c, g in zip(contexts, guides)]
+    def draft_guided(self, contexts, num_tokens, guides, min_ratios):
+        check_guided(contexts, guides, min_ratios)
+        return [self.draft_one(c, num_tokens, g, r) for c, g, r in zip(contexts, guides, min_ratios)]
 
     def reset(self) -> None:
         self.model.truncate(0)

@@ -1,10 +1,12 @@
 """Prompt lookup: the model-free drafter (the latest earlier occurrence of the context's last n tokens, n = 4..1,
-and what followed it). The peer baseline every trained draft is compared with."""
+and what followed it). The peer baseline every trained draft is compared with, and the guided draft's proposals
+(``lookup_continuations``)."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from specdraft.core.wire import MAX_GUIDES
 from specdraft.drafting.base import Drafter
 
 MAX_NGRAM = 4
@@ -13,26 +15,56 @@ MAX_NGRAM = 4
 MAX_MATCH = 64
 
 
-def lookup_match(context: Sequence[int], num_tokens: int, max_ngram: int = MAX_NGRAM,
-                 min_ngram: int = 1) -> tuple[list[int], int]:
-    """``lookup_draft``'s draft and its match length: how many of the context's last tokens equal those before
-    the occurrence it copies from (at least the n-gram it matched, measured back up to ``MAX_MATCH``); 0 with no
-    draft. A long match is a restated stretch (a rewrite, a quoted passage), where the copy tends to hold."""
-    ctx = list(context)
+def _latest_occurrence(ctx: list[int], max_ngram: int, min_ngram: int) -> tuple[int, int] | None:
+    """(n, start) of the latest earlier occurrence of the context's last n tokens with something after it, for
+    the largest n from ``max_ngram`` down to ``min_ngram``; None where there is none."""
     for n in range(max_ngram, min_ngram - 1, -1):
         if len(ctx) <= n:
             continue
         tail = ctx[-n:]
         for start in range(len(ctx) - n - 1, -1, -1):
             if ctx[start:start + n] == tail:
-                follow = ctx[start + n:start + n + num_tokens]
-                if follow:
-                    match = n
-                    while (match < MAX_MATCH and start + n - match - 1 >= 0
-                           and ctx[start + n - match - 1] == ctx[len(ctx) - match - 1]):
-                        match += 1
-                    return follow, match
-    return [], 0
+                return n, start
+    return None
+
+
+def lookup_match(context: Sequence[int], num_tokens: int, max_ngram: int = MAX_NGRAM,
+                 min_ngram: int = 1) -> tuple[list[int], int]:
+    """``lookup_draft``'s draft and its match length: how many of the context's last tokens equal those before
+    the occurrence it copies from (at least the n-gram it matched, measured back up to ``MAX_MATCH``); 0 with no
+    draft. A long match is a restated stretch (a rewrite, a quoted passage), where the copy tends to hold."""
+    ctx = list(context)
+    found = _latest_occurrence(ctx, max_ngram, min_ngram)
+    if found is None or num_tokens < 1:
+        return [], 0
+    n, start = found
+    match = n
+    while (match < MAX_MATCH and start + n - match - 1 >= 0
+           and ctx[start + n - match - 1] == ctx[len(ctx) - match - 1]):
+        match += 1
+    return ctx[start + n:start + n + num_tokens], match
+
+
+def lookup_continuations(context: Sequence[int], num_tokens: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1,
+                         limit: int = MAX_GUIDES) -> tuple[list[list[int]], int]:
+    """Every distinct continuation lookup could copy, up to ``limit``: what followed each earlier occurrence of the
+    n-gram ``lookup_match`` matched, the latest first (``lookup_match``'s draft), with ``lookup_match``'s match
+    length. A guided draft (``model.generation.GuideFollower``) picks among them token by token: where the text
+    repeated a phrase more than once, the latest occurrence is not always the one it repeats now."""
+    first, match = lookup_match(context, num_tokens, max_ngram, min_ngram)
+    if not first:
+        return [], 0
+    ctx = list(context)
+    n, latest = _latest_occurrence(ctx, max_ngram, min_ngram)  # type: ignore[misc]
+    tail, out = ctx[-n:], [first]
+    for start in range(latest - 1, -1, -1):
+        if len(out) >= limit:
+            break
+        if ctx[start:start + n] == tail:
+            follow = ctx[start + n:start + n + num_tokens]
+            if follow not in out:
+                out.append(follow)
+    return out, match
 
 
 def lookup_draft(context: Sequence[int], num_tokens: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> list[int]:

@@ -29,8 +29,8 @@ from typing import Any, Sequence
 import httpx
 import torch
 
-from specdraft.core.wire import MAX_TOP_ALTERNATIVES
-from specdraft.drafting.base import DraftDistributions, Drafter, DrafterError
+from specdraft.core.wire import MAX_GUIDES, MAX_TOP_ALTERNATIVES
+from specdraft.drafting.base import DraftDistributions, Drafter, DrafterError, check_guided
 from specdraft.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -51,14 +51,18 @@ def _prob_list(value: Any) -> bool:
 
 
 def draft_request(context: Sequence[int], num_tokens: int, stop_confidence: float | None = None,
-                  guide: Sequence[int] = (), guide_min_ratio: float | None = None) -> dict:
+                  guides: Sequence[Sequence[int]] = (), guide_min_ratio: float | None = None) -> dict:
     """The ``POST /draft`` body for a greedy draft; ``stop_confidence`` only when set (absent: num_tokens always),
-    ``guide`` (its first num_tokens) only when not empty, with ``guide_min_ratio``."""
+    ``guides`` (their first num_tokens; the first ``MAX_GUIDES``) only when there are any: the first as guide_ids,
+    the others as guide_alternatives, with ``guide_min_ratio``."""
     body: dict[str, Any] = {"token_ids": [int(t) for t in context], "num_tokens": int(num_tokens)}
     if stop_confidence is not None:
         body["stop_confidence"] = float(stop_confidence)
-    if guide:
-        body["guide_ids"] = [int(t) for t in guide][:num_tokens]
+    sent = [[int(t) for t in guide][:num_tokens] for guide in guides if len(guide)][:MAX_GUIDES]
+    if sent:
+        body["guide_ids"] = sent[0]
+        if sent[1:]:
+            body["guide_alternatives"] = sent[1:]
         if guide_min_ratio is not None:
             body["guide_min_ratio"] = float(guide_min_ratio)
     return body
@@ -238,9 +242,9 @@ class HTTPDrafter(Drafter):
                 self.name, self._named = answer["model"], True
         return answer
 
-    def draft_one(self, context: Sequence[int], num_tokens: int, guide: Sequence[int] = (),
+    def draft_one(self, context: Sequence[int], num_tokens: int, guides: Sequence[Sequence[int]] = (),
                   guide_min_ratio: float | None = None) -> list[int]:
-        answer = self._post(draft_request(context, num_tokens, self.stop_confidence, guide, guide_min_ratio))
+        answer = self._post(draft_request(context, num_tokens, self.stop_confidence, guides, guide_min_ratio))
         ids = answer.get("draft_ids")
         if not _int_list(ids) or len(ids) > num_tokens:
             raise DrafterError(f"{self.url}/draft: 'draft_ids' is not a list of at most {num_tokens} ints: "
@@ -248,18 +252,18 @@ class HTTPDrafter(Drafter):
         return ids
 
     def draft(self, contexts: Sequence[Sequence[int]], num_tokens: int) -> list[list[int]]:
-        return self.draft_guided(contexts, num_tokens, [()] * len(contexts), None)  # no guide: the plain request
+        # no guides: the plain request
+        return self.draft_guided(contexts, num_tokens, [()] * len(contexts), [None] * len(contexts))
 
     follows_guides = True
 
-    def draft_guided(self, contexts, num_tokens, guides, min_ratio):
-        """One request per context (its guide only where it has one), up to ``concurrency`` in flight."""
-        if len(guides) != len(contexts):
-            raise ValueError(f"{len(contexts)} contexts but {len(guides)} guides")
+    def draft_guided(self, contexts, num_tokens, guides, min_ratios):
+        """One request per context (its guides only where it has any), up to ``concurrency`` in flight."""
+        check_guided(contexts, guides, min_ratios)
         if len(contexts) == 1:
-            return [self.draft_one(contexts[0], num_tokens, guides[0], min_ratio)]
-        return list(self._pool.map(lambda pair: self.draft_one(pair[0], num_tokens, pair[1], min_ratio),
-                                   zip(contexts, guides)))
+            return [self.draft_one(contexts[0], num_tokens, guides[0], min_ratios[0])]
+        return list(self._pool.map(lambda row: self.draft_one(row[0], num_tokens, row[1], row[2]),
+                                   zip(contexts, guides, min_ratios)))
 
     def draft_with_probs(self, contexts, num_tokens, params, generator=None):
         """The server samples (seeded from ``generator``: the same generator state, the same drafts) and answers

@@ -51,19 +51,20 @@ class DraftSampling:
     greedy token's confidence is its probability under the draft's plain softmax, a sampled token's its probability
     under the warped distribution it was drawn from. The tokens are the same with or without it, up to the stop.
 
-    ``guide`` (greedy rows only): a proposed continuation -- prompt lookup's copy, made by the client -- that the
-    row follows while the draft finds it plausible: at position i, ``guide[i]`` wherever its probability under the
-    draft's softmax is at least ``guide_min_ratio`` times the most likely token's, and from the first position
-    where it is not, the row's own argmax to the end (ratio 1: the plain greedy draft, up to exact ties). The draft
-    stays the model's: it only ever takes a token the model itself gives that much weight. The confidence of a
-    guided token, for ``stop_confidence``, is its own probability."""
+    ``guides`` (greedy rows only): proposed continuations -- prompt lookup's copies, made by the client -- that the
+    row follows while the draft finds them plausible (``GuideFollower``): at position i, of the tokens the guides
+    that agree with the row so far propose there, the one the draft finds most likely, wherever its probability
+    under the draft's softmax is at least ``guide_min_ratio`` times the most likely token's; from the first
+    position where none is, the row's own argmax to the end (ratio 1: the plain greedy draft, up to exact ties).
+    The draft stays the model's: it only ever takes a token the model itself gives that much weight. The
+    confidence of a guided token, for ``stop_confidence``, is its own probability."""
 
     params: SamplingParams = GREEDY
     seed: int | None = None
     return_probs: bool = False
     top_alternatives: int = 0
     stop_confidence: float | None = None
-    guide: tuple[int, ...] = ()
+    guides: tuple[tuple[int, ...], ...] = ()
     guide_min_ratio: float = DEFAULT_GUIDE_MIN_RATIO
 
     def __post_init__(self) -> None:
@@ -73,13 +74,13 @@ class DraftSampling:
             raise ValueError(f"stop_confidence must be in (0, 1], got {self.stop_confidence!r}")
         if not 0 < self.guide_min_ratio <= 1:
             raise ValueError(f"guide_min_ratio must be in (0, 1], got {self.guide_min_ratio!r}")
-        if self.guide and (not self.params.greedy or self.top_alternatives):
+        if self.guides and (not self.params.greedy or self.top_alternatives):
             raise ValueError("a guide is followed by greedy drafts without top_alternatives only")
 
     @property
     def plain(self) -> bool:
         """Greedy with nothing more to report or decide: the row takes the engine's argmax path and nothing else."""
-        return self.params.greedy and not self.return_probs and self.stop_confidence is None and not self.guide
+        return self.params.greedy and not self.return_probs and self.stop_confidence is None and not self.guides
 
 
 PLAIN = DraftSampling()
@@ -100,24 +101,29 @@ def top_alternatives(probs: torch.Tensor, logits: torch.Tensor, k: int) -> tuple
 
 
 class GuideFollower:
-    """A greedy draft's walk along its guide (``DraftSampling.guide``): at each position the guide's token while the
-    draft gives it at least ``min_ratio`` of its most likely token's probability; from the first position where it
-    does not (or past the guide's end) the draft's own argmax. The one rule the server's rows, the in-process
+    """A greedy draft's walk along its guides (``DraftSampling.guides``). At each position the guides still in play
+    (those equal to the draft so far) propose their tokens there; the draft takes the one it finds most likely (its
+    argmax where proposed; the earlier guide on a tie) while that one has at least ``min_ratio`` of its most likely
+    token's probability, and keeps the guides that proposed it. From the first position where it does not (or past
+    every guide's end) the draft is its own argmax. One guide is the single copy rule; several let the draft pick,
+    token by token, which earlier occurrence the text repeats. The one rule the server's rows, the in-process
     drafters and eval's teacher-forced walk (``drafting.hybrid_rule.guided_accepted``) follow."""
 
-    def __init__(self, guide: Sequence[int], min_ratio: float):
-        self.guide, self.min_ratio = tuple(int(t) for t in guide), min_ratio
+    def __init__(self, guides: Sequence[Sequence[int]], min_ratio: float):
+        self.guides = [tuple(int(t) for t in guide) for guide in guides if len(guide)]
+        self.min_ratio = min_ratio
         self.position = 0
-        self.on = bool(self.guide)  # still on the guide: callers need the probabilities only while it is
+        self.on = bool(self.guides)  # still on a guide: callers need the probabilities only while it is
 
     def pick(self, probs: torch.Tensor, top: int) -> int:
         """The next position's token from the draft's probabilities there [V] (``top``: their argmax)."""
         i, self.position = self.position, self.position + 1
-        if self.on and i < len(self.guide):
-            proposed = self.guide[i]
-            if proposed == top or (0 <= proposed < probs.shape[-1]
-                                   and float(probs[proposed]) >= self.min_ratio * float(probs[top])):
-                return proposed
+        if self.on:
+            proposed = [t for t in dict.fromkeys(g[i] for g in self.guides if i < len(g)) if 0 <= t < probs.shape[-1]]
+            best = top if top in proposed else max(proposed, key=lambda t: float(probs[t]), default=None)
+            if best is not None and (best == top or float(probs[best]) >= self.min_ratio * float(probs[top])):
+                self.guides = [g for g in self.guides if i < len(g) and g[i] == best]
+                return best
         self.on = False
         return top
 
@@ -138,7 +144,7 @@ class RowSampler:
         self.alternative_ids: list[list[int]] = []
         self.alternative_probs: list[list[float]] = []
         self.stopped = False  # the last token's confidence fell below ``stop_confidence``
-        self.guide = GuideFollower(settings.guide, settings.guide_min_ratio) if settings.guide else None
+        self.guide = GuideFollower(settings.guides, settings.guide_min_ratio) if settings.guides else None
 
     def pick(self, logits: torch.Tensor, greedy_token: int) -> int:
         """The row's token from its next-token ``logits`` [V] (``greedy_token`` is their argmax), recorded."""

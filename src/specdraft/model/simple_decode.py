@@ -112,21 +112,27 @@ def greedy_dynamic(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 def naive_draft(model, prompt: Sequence[int], num_tokens: int, sampling: DraftSampling) -> Generation:
     """Reference for ``draft_rows``: one row, no cache, the full sequence recomputed every step; each token the
     argmax or drawn from ``warp_probs`` of the last position's logits with a generator seeded as the row's; a
-    guided row takes its guide's tokens while each has at least ``guide_min_ratio`` of the top probability."""
+    guided row takes, of the tokens its guides that agree with it so far propose, the most likely (the argmax where
+    proposed, the first proposed on a tie) while that has at least ``guide_min_ratio`` of the top probability."""
     device = model_device(model)
     generator = RowSampler(sampling, device).generator  # None when greedy
     seq, out, probs = list(prompt), [], []
-    guide = list(sampling.guide)
+    live = [list(g) for g in sampling.guides if g]
     for _ in range(num_tokens):
         logits = model(input_ids=torch.tensor([seq], device=device), use_cache=False).logits[0, -1]
         warped = warp_probs(logits, sampling.params)
         tok = int(logits.argmax()) if generator is None else int(sample_from(warped, generator))
-        if guide and len(out) < len(guide):
+        offered = [g[len(out)] for g in live if len(out) < len(g)]
+        if offered:
             softmax = torch.softmax(logits.float(), -1)
-            if float(softmax[guide[len(out)]]) >= sampling.guide_min_ratio * float(softmax.max()):
-                tok = guide[len(out)]
+            best = max(offered, key=lambda t: (float(softmax[t]), t == tok))
+            if best == tok or float(softmax[best]) >= sampling.guide_min_ratio * float(softmax.max()):
+                tok = best
+                live = [g for g in live if len(out) < len(g) and g[len(out)] == best]
             else:
-                guide = []
+                live = []
+        else:
+            live = []
         out.append(tok)
         probs.append(1.0 if generator is None else float(warped[tok]))  # greedy: one-hot at the token taken
         seq.append(tok)

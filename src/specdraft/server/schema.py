@@ -12,7 +12,7 @@ from typing import Annotated, Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, WithJsonSchema, create_model, field_validator
 
-from specdraft.core.wire import DRAFT_TOKENS, MAX_TOP_ALTERNATIVES
+from specdraft.core.wire import DRAFT_TOKENS, MAX_GUIDES, MAX_TOP_ALTERNATIVES
 from specdraft.model.generation import DEFAULT_GUIDE_MIN_RATIO, DraftSampling
 from specdraft.model.sampling import SamplingParams
 
@@ -60,8 +60,14 @@ def draft_sampling(request: BaseModel) -> DraftSampling:
                          return_probs=request.return_probs,  # type: ignore[attr-defined]
                          top_alternatives=request.top_alternatives,  # type: ignore[attr-defined]
                          stop_confidence=request.stop_confidence,  # type: ignore[attr-defined]
-                         guide=tuple(request.guide_ids or ()),  # type: ignore[attr-defined]
+                         guides=guides(request),
                          guide_min_ratio=request.guide_min_ratio or DEFAULT_GUIDE_MIN_RATIO)  # type: ignore
+
+
+def guides(request: BaseModel) -> tuple[tuple[int, ...], ...]:
+    """A validated request's guides: its ``guide_ids`` (where given), then its ``guide_alternatives``."""
+    first = [request.guide_ids] if request.guide_ids else []  # type: ignore[attr-defined]
+    return tuple(tuple(g) for g in first + list(request.guide_alternatives or ()))  # type: ignore[attr-defined]
 
 
 class DraftResponse(BaseModel):
@@ -113,21 +119,34 @@ class Health(BaseModel):
                           "draft is not loaded yet")
 
 
+# A request without guides (they and their ratio absent or null), and a request a guide may go with
+UNGUIDED = {name: {"type": "null"} for name in ("guide_ids", "guide_alternatives", "guide_min_ratio")}
+GUIDED = {"top_alternatives": {"const": 0},
+          "sampling": {"anyOf": [{"type": "null"}, {"properties": {"temperature": {"const": 0}}}]}}
+
+
 def draft_request_model(vocab_size: int, max_context: int, num_draft: int) -> type[BaseModel]:
     """``DraftRequest`` for one loaded draft: token ids strictly ints in [0, vocab_size), at most
     ``max_context`` of them; ``num_tokens`` in [1, num_draft], default num_draft; the optional sampling block,
     ``return_probs``, ``top_alternatives`` (at most the vocabulary), ``stop_confidence`` (in (0, 1]) and a greedy
-    draft's ``guide_ids`` (at most num_draft of them) with their ``guide_min_ratio`` (in (0, 1])."""
+    draft's ``guide_ids`` (at most num_draft of them) and ``guide_alternatives`` (at most ``MAX_GUIDES`` - 1 more
+    guides) with their ``guide_min_ratio`` (in (0, 1])."""
     token_id = Annotated[int, Strict(), Field(ge=0, le=vocab_size - 1)]
     top_limit = min(MAX_TOP_ALTERNATIVES, vocab_size)
     return create_model(
         "DraftRequest",
         __config__=ConfigDict(extra="forbid", json_schema_extra={
             "example": {"token_ids": [1, 2, 3], "num_tokens": min(num_draft, DRAFT_TOKENS)},
-            # top_alternatives > 0 needs return_probs: true, in the schema too, so that clients generated from it
-            # (and schemathesis) know
-            "anyOf": [{"properties": {"top_alternatives": {"const": 0}}},
-                      {"properties": {"return_probs": {"const": True}}, "required": ["return_probs"]}]}),
+            # the fields' dependencies, in the schema too, so that clients generated from it (and schemathesis) know:
+            # top_alternatives > 0 needs return_probs: true; guides need a greedy draft without top_alternatives;
+            # guide_min_ratio needs a guide. One anyOf at the top level: nested under allOf, schemathesis no longer
+            # generated the long contexts tests/server/test_server.py's 5xx check needs
+            "anyOf": [
+                {"properties": {**UNGUIDED, "top_alternatives": {"const": 0}}},
+                {"properties": {**UNGUIDED, "return_probs": {"const": True}}, "required": ["return_probs"]},
+                {"properties": {**GUIDED, "guide_ids": {"type": "array"}}, "required": ["guide_ids"]},
+                {"properties": {**GUIDED, "guide_alternatives": {"type": "array"}},
+                 "required": ["guide_alternatives"]}]}),
         token_ids=(Annotated[list[token_id], Strict(), Field(
             min_length=1, max_length=max_context,
             description=f"context token ids, 1..{max_context} of them, each in [0, {vocab_size - 1}]; JSON "
@@ -157,12 +176,21 @@ def draft_request_model(vocab_size: int, max_context: int, num_draft: int) -> ty
                         "client) that a greedy draft follows while the draft model gives each of its tokens at least "
                         "guide_min_ratio of its most likely token's probability; from the first one it does not, "
                         "the draft is the model's own argmax. Greedy only, without top_alternatives")] | None, None),
+        guide_alternatives=(Annotated[list[Annotated[list[token_id], Field(min_length=1, max_length=num_draft)]],
+                                      Strict(), Field(
+            min_length=1, max_length=MAX_GUIDES - 1,
+            description=f"up to {MAX_GUIDES - 1} more proposed continuations, after guide_ids (each 1..{num_draft} "
+                        "token ids; e.g. lookup's copies after earlier occurrences of the matched tokens), with the "
+                        "same rules. At each position the draft takes, of the tokens proposed there by the guides "
+                        "equal to the draft so far, the one the model finds most likely (the earlier guide on a tie), "
+                        "under the same guide_min_ratio")] | None, None),
         guide_min_ratio=(Annotated[float, Strict(), Field(
             gt=0, le=1, allow_inf_nan=False,
-            description=f"with guide_ids: the weight a guide token needs, as a fraction of the most likely token's "
+            description=f"with a guide: the weight a guide token needs, as a fraction of the most likely token's "
                         f"probability (1: the plain greedy draft); absent: {DEFAULT_GUIDE_MIN_RATIO}")] | None, None),
         __validators__={"needs_return_probs": field_validator("top_alternatives")(_needs_return_probs),
                         "guide_greedy": field_validator("guide_ids")(_guide_needs_greedy),
+                        "alternatives_greedy": field_validator("guide_alternatives")(_guide_needs_greedy),
                         "ratio_needs_guide": field_validator("guide_min_ratio")(_ratio_needs_guide)},
     )
 
@@ -173,7 +201,7 @@ def _needs_return_probs(cls, value: int, info: ValidationInfo) -> int:
     return value
 
 
-def _guide_needs_greedy(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+def _guide_needs_greedy(cls, value: list | None, info: ValidationInfo) -> list | None:
     sampling = info.data.get("sampling")
     if value is not None and sampling is not None and sampling.temperature > 0:
         raise ValueError("a guide is followed by greedy drafts only (sampling.temperature 0 or no sampling block)")
@@ -183,8 +211,8 @@ def _guide_needs_greedy(cls, value: list[int] | None, info: ValidationInfo) -> l
 
 
 def _ratio_needs_guide(cls, value: float | None, info: ValidationInfo) -> float | None:
-    if value is not None and not info.data.get("guide_ids"):
-        raise ValueError("needs guide_ids")
+    if value is not None and not (info.data.get("guide_ids") or info.data.get("guide_alternatives")):
+        raise ValueError("needs guide_ids (or guide_alternatives)")
     return value
 
 
@@ -239,7 +267,7 @@ def _allowed_fields(loc: Iterable[Any]) -> list[str]:
     if inside[:1] == ["sampling"]:
         return list(SamplingRequest.model_fields)
     return ["token_ids", "num_tokens", "sampling", "return_probs", "top_alternatives", "stop_confidence", "guide_ids",
-            "guide_min_ratio"]
+            "guide_alternatives", "guide_min_ratio"]
 
 
 # JSON's names for Python's types, bool before int (a bool is an int)

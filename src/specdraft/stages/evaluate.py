@@ -37,7 +37,7 @@ from specdraft.drafting.base import Drafter, DrafterError
 from specdraft.drafting.batched import ModelDrafter
 from specdraft.drafting.hybrid import HybridDrafter
 from specdraft.drafting.hybrid_rule import GUIDE_MIN_RATIOS, HybridRule, calibration_split, measure_rules, rule_points
-from specdraft.drafting.lookup import MAX_NGRAM, LookupDrafter, lookup_match
+from specdraft.drafting.lookup import MAX_NGRAM, LookupDrafter, lookup_continuations
 from specdraft.drafting.metrics import accepted_length
 from specdraft.drafting.remote import HTTPDrafter
 from specdraft.model.device import DEVICE_HELP, resolve_device
@@ -210,9 +210,10 @@ def hybrid_rule_record(report: dict[str, Any], points, k: int, drafter: Drafter,
     are candidates too, scored from its distributions along each point's reference tokens; where a guided rule is
     chosen, ``drafter`` drafts the reported points guided, so that what the record reports is measured, and the
     record says how often the prediction matched (``guided_check``)."""
-    lookups = [lookup_match(p.context_ids, k, MAX_NGRAM, 1) for p in points]
-    guides = [draft for draft, _ in lookups]
-    rows = rule_points(points, [row["accepted"] for row in report["per_point"]], k, lookups)
+    found = [lookup_continuations(p.context_ids, k, MAX_NGRAM, 1) for p in points]
+    guides = [continuations for continuations, _ in found]  # the first: lookup's own draft
+    rows = rule_points(points, [row["accepted"] for row in report["per_point"]], k,
+                       [(continuations[0] if continuations else [], match) for continuations, match in found])
     for row, scored in zip(report["per_point"], rows):
         row["lookup_accepted"], row["lookup_match"] = scored.lookup, scored.match
     if scorer is not None:
@@ -231,7 +232,7 @@ def hybrid_rule_record(report: dict[str, Any], points, k: int, drafter: Drafter,
         reported = [i for i, cal in enumerate(calibration_split(rows)) if not cal and guides[i]]
         ratio = chosen.guide_min_ratio
         drafts = drafter.draft_guided([points[i].context_ids for i in reported], k, [guides[i] for i in reported],
-                                      ratio)
+                                      [ratio] * len(reported))
         measured = {i: accepted_length(d[:k], points[i].target_ids[:k]) for i, d in zip(reported, drafts)}
         check = {"points": len(measured), "predicted_equal": sum(rows[i].guided[ratio] == a
                                                                  for i, a in measured.items()),
