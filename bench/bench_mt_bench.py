@@ -81,6 +81,9 @@ def main() -> None:
     rule = report["hybrid_rule"]
     save_result(f"mt_bench_{args.name}", {
         "model_dir": args.model_dir, "questions": questions,
+        # what --compute auto measured fastest here: near-equal formats may flip between runs, and with them a
+        # near-tie token of the draft's
+        "compute": {k: report["drafter_source"]["compute_choice"][k] for k in ("compute", "prefill")},
         "points": points["points"], "validation": str(validation),
         **({"answer_tokens": budget.mt_bench_answer_tokens, "scored_tokens": budget.mt_bench_eval_tokens}
            if args.validation is None else {}),
