@@ -570,7 +570,7 @@ def multiturn_tables() -> str:
 
 def _rule_words(chosen: dict[str, Any]) -> str:
     threshold, own, ratio = chosen["min_match"], chosen.get("per_category") or {}, chosen.get("guide_min_ratio")
-    lookup = f"lookup's copy as the draft's guide (ratio {ratio:g})" if ratio else "lookup"
+    lookup = f"lookup's copies as the draft's guides (ratio {ratio:g})" if ratio else "lookup"
     return (("the draft everywhere" if threshold is None else f"{lookup} where its match >= {threshold}")
             + ("".join(f", {c} {'the draft' if t is None else f'>= {t}'}" for c, t in sorted(own.items()))
                if len(own) <= 2 else f", {len(own)} categories a threshold of their own"))
