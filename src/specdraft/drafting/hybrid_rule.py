@@ -8,10 +8,10 @@ thresholds on one signal lookup measures anyway, its match length (``lookup.look
 - never: the model drafts everywhere;
 - lookup where its match is at least n tokens long, for n in ``CANDIDATE_MIN_MATCH`` (the fixed rule is n = 2);
 - guided: where lookup's match is at least n tokens long (n in ``GUIDED_MIN_MATCH``), the model drafts with lookup's
-  draft as its guide, taking each guide token while it has at least r of the model's top probability (r in
-  ``GUIDE_MIN_RATIOS``; ``model.generation.DraftSampling``): the copy where the model finds it plausible, the
-  model's own tokens from the first place it does not. Scored where the points carry the model's distributions
-  along the target's tokens (``RulePoint.guided``, from ``guided_accepted``).
+  copies as its guides (``lookup.lookup_continuations``), taking the likeliest proposed token while it has at least r
+  of the model's top probability (r in ``GUIDE_MIN_RATIOS``; ``model.generation.GuideFollower``): a copy where the
+  model finds it plausible, the model's own tokens from the first place it does not. Scored where the points carry
+  the model's distributions along the target's tokens (``RulePoint.guided``, from ``guided_accepted``).
 
 ``choose_rule`` picks the best threshold on a calibration split of the points (``calibration_split``: every other
 prompt of each category; a guided rule only where it beats the best plain one beyond its prompts' noise), and a
@@ -46,7 +46,7 @@ DEFAULT_HYBRID_MIN_NGRAM = 2
 # The thresholds tried, most lookup first (a tie goes to the rule that drafts more for free); None: never lookup
 CANDIDATE_MIN_MATCH: tuple[int | None, ...] = (1, 2, 3, 4, 8, 16, None)
 # The guided rules tried: the weight a guide token needs against the model's top token, and the match lengths from
-# which lookup's draft becomes the guide (fewer than for the plain thresholds: the model vets every guide token)
+# which lookup's copies become the guides (fewer than for the plain thresholds: the model vets every guide token)
 GUIDE_MIN_RATIOS: tuple[float, ...] = (0.03, 0.1, 0.3)
 GUIDED_MIN_MATCH: tuple[int | None, ...] = (1, 3, 8, None)
 # A category gets a threshold of its own only from this many calibration prompts (and only where that threshold
@@ -64,9 +64,9 @@ SPLIT_NOTE = ("calibration: every other prompt of each category (the 1st, 3rd, .
 class HybridRule:
     """Lookup drafts in front of the model where its match length (``lookup_match``) is at least ``min_match``
     tokens (None: never); ``per_category`` overrides it for the categories a calibration found better served
-    otherwise (used only where the caller knows a context's category). With ``guide_min_ratio`` r, lookup's draft
-    is there the model's guide instead of its replacement: the model drafts, taking each guide token while it has at
-    least r of the model's top probability."""
+    otherwise (used only where the caller knows a context's category). With ``guide_min_ratio`` r, lookup's copies
+    are there the model's guides instead of its replacement: the model drafts, taking the likeliest proposed token
+    while it has at least r of the model's top probability."""
 
     min_match: int | None = DEFAULT_HYBRID_MIN_NGRAM
     per_category: Mapping[str, int | None] = field(default_factory=dict)
@@ -111,8 +111,9 @@ class HybridRule:
                 "elsewhere the model drafts")
         if self.guided:
             what = ("where prompt lookup's match length is >= min_match (null: never; per category where listed), "
-                    "the model drafts guided by lookup's draft: it takes each guide token while that token has at "
-                    "least guide_min_ratio of the model's top probability, then its own; elsewhere the model drafts")
+                    "the model drafts guided by lookup's copies: it takes the likeliest token they propose while "
+                    "that token has at least guide_min_ratio of the model's top probability, then its own; elsewhere "
+                    "the model drafts")
         return {"min_match": self.min_match, "per_category": dict(sorted(self.per_category.items())),
                 "guide_min_ratio": self.guide_min_ratio, "what": what}
 

@@ -28,6 +28,16 @@ def _latest_occurrence(ctx: list[int], max_ngram: int, min_ngram: int) -> tuple[
     return None
 
 
+def _match_length(ctx: list[int], n: int, start: int) -> int:
+    """How many of the context's last tokens equal those before what follows the occurrence at ``start`` (at least
+    its n-gram, measured back up to ``MAX_MATCH``)."""
+    match = n
+    while (match < MAX_MATCH and start + n - match - 1 >= 0
+           and ctx[start + n - match - 1] == ctx[len(ctx) - match - 1]):
+        match += 1
+    return match
+
+
 def lookup_match(context: Sequence[int], num_tokens: int, max_ngram: int = MAX_NGRAM,
                  min_ngram: int = 1) -> tuple[list[int], int]:
     """``lookup_draft``'s draft and its match length: how many of the context's last tokens equal those before
@@ -38,11 +48,7 @@ def lookup_match(context: Sequence[int], num_tokens: int, max_ngram: int = MAX_N
     if found is None or num_tokens < 1:
         return [], 0
     n, start = found
-    match = n
-    while (match < MAX_MATCH and start + n - match - 1 >= 0
-           and ctx[start + n - match - 1] == ctx[len(ctx) - match - 1]):
-        match += 1
-    return ctx[start + n:start + n + num_tokens], match
+    return ctx[start + n:start + n + num_tokens], _match_length(ctx, n, start)
 
 
 def lookup_continuations(context: Sequence[int], num_tokens: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1,
@@ -51,20 +57,20 @@ def lookup_continuations(context: Sequence[int], num_tokens: int, max_ngram: int
     n-gram ``lookup_match`` matched, the latest first (``lookup_match``'s draft), with ``lookup_match``'s match
     length. A guided draft (``model.generation.GuideFollower``) picks among them token by token: where the text
     repeated a phrase more than once, the latest occurrence is not always the one it repeats now."""
-    first, match = lookup_match(context, num_tokens, max_ngram, min_ngram)
-    if not first:
-        return [], 0
     ctx = list(context)
-    n, latest = _latest_occurrence(ctx, max_ngram, min_ngram)  # type: ignore[misc]
-    tail, out = ctx[-n:], [first]
-    for start in range(latest - 1, -1, -1):
+    found = _latest_occurrence(ctx, max_ngram, min_ngram)
+    if found is None or num_tokens < 1:
+        return [], 0
+    n, latest = found
+    tail, out = ctx[-n:], []
+    for start in range(latest, -1, -1):
         if len(out) >= limit:
             break
         if ctx[start:start + n] == tail:
             follow = ctx[start + n:start + n + num_tokens]
             if follow not in out:
                 out.append(follow)
-    return out, match
+    return out, _match_length(ctx, n, latest)
 
 
 def lookup_draft(context: Sequence[int], num_tokens: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> list[int]:
