@@ -12,9 +12,10 @@ the traces stage does. Every configuration (hf at --hf-batch-size, the traces st
 --sequences) decodes all of them greedily to --max-new-tokens, the same engine threads for both (torch threads for
 hf, llama.cpp threads), --repeats times, the configurations interleaved so that each sees the same machine load;
 the model loads are outside the clocks. What limits llama.cpp here, measured: the file's own weights converted
-to float32 (as transformers dequantises them for hf) and rounded to bfloat16 (--converted, by llama-cpp-python's
-``llama_model_quantize``, into --work), each decoded at the largest of --sequences: types llama.cpp has batched
-matrix kernels for on x86, which the file's Q4_1 lacks. Past one thread, hf also runs as ``traces --shard i/n``
+to float32 (as transformers dequantises them for hf), rounded to bfloat16, and requantised to Q8_0 and Q4_0
+(--converted, by llama-cpp-python's ``llama_model_quantize``, into --work), each decoded at the largest of
+--sequences: types llama.cpp has batched matrix kernels for on x86, which the file's Q4_1 lacks; each also against
+the file's own tokens (``vs_file``). Past one thread, hf also runs as ``traces --shard i/n``
 would on those cores: as many one-thread processes at once, each on its share of the prompts. Reported per
 configuration: completion tokens per CPU-second (process CPU time, every thread's) and per wall second, the median
 of the repeats. Agreement: each llama.cpp run's tokens against the hf run's, prompt by prompt (identical rows, the
@@ -95,7 +96,8 @@ def decode_sharded(processes: int, batch_size: int, prompts: list[list[int]], ma
     return rows, lap
 
 
-CONVERSIONS = {"float32": "LLAMA_FTYPE_ALL_F32", "bfloat16": "LLAMA_FTYPE_MOSTLY_BF16"}
+CONVERSIONS = {"float32": "LLAMA_FTYPE_ALL_F32", "bfloat16": "LLAMA_FTYPE_MOSTLY_BF16",
+               "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 
 
 def converted_gguf(gguf: Path, dtype: str, work: Path) -> Path:
@@ -181,6 +183,8 @@ def at_threads(threads: int, args, prompts: list[list[int]], gguf, converted: di
         first = next(j for j, r in enumerate(runs)
                      if r["backend"] == "llama.cpp" and r.get("weights") == run.get("weights"))
         run["identical_to_first_llama_cpp_run"] = rows[k] == rows[first]
+        if "weights" in run:  # a converted file against the file as llama.cpp computes it
+            run["vs_file"] = agreement(rows[1], rows[k])
     best = max((r for r in runs[1:] if r["backend"] == "llama.cpp" and "weights" not in r),
                key=lambda r: r["tokens_per_cpu_s"])
     return {"threads": threads, "runs": runs,
@@ -212,9 +216,9 @@ def main(argv=None) -> int:
                    help="llama.cpp: comma-separated sequence counts")
     p.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="comma-separated engine thread counts, each a block of its own")
-    p.add_argument("--converted", type=lambda s: [x for x in s.split(",") if x], default=list(CONVERSIONS),
-                   help="comma-separated: the GGUF's weights also as these types in llama.cpp (float32, bfloat16; "
-                        "'' for none)")
+    p.add_argument("--converted", type=lambda s: [x for x in s.split(",") if x], default=["float32", "bfloat16"],
+                   help="comma-separated: the GGUF's weights also as these types in llama.cpp (float32, bfloat16, "
+                        "q8_0, q4_0; '' for none)")
     p.add_argument("--work", type=Path, default=Path("runs/bench_trace_backends"),
                    help="where the converted GGUF files are written (and reused)")
     p.add_argument("--repeats", type=int, default=2)

@@ -13,8 +13,11 @@ import pytest
 
 from servers import ThreadServer, metric_samples
 from specdraft.model.generation import DraftSampling
+from specdraft.model.llamacpp import PASS_CANDIDATES, PROBE_TOKENS, exact_pass_tokens, llama_cpp_module, load_gguf_model
 from specdraft.model.llamacpp_slots import LlamaCppSlots, SessionCache, common_prefix
 from specdraft.model.sampling import SamplingParams
+from specdraft.model.specs import DEFAULT_TARGET
+from specdraft.model.trace_llamacpp import target_gguf
 from specdraft.server.app import create_app
 from specdraft.server.config import ServeConfig
 from specdraft.server.engine import Engine, LlamaCppEngine, SlotLane, gguf_of, load_llamacpp_engine
@@ -43,16 +46,17 @@ def engine(draft):
     engine.close()
 
 
-def lane(engine, slots: int, capacity: int, cache: SessionCache | None) -> LlamaCppSlots:
+def lane(engine, slots: int, capacity: int, cache: SessionCache | None,
+         pass_tokens: int | None = None) -> LlamaCppSlots:
     decoder = LlamaCppSlots(engine.model, slots, capacity, NUM_DRAFT, set(), engine.vocab_size, threads=1,
-                            cache=cache)
+                            cache=cache, pass_tokens=pass_tokens or engine.pass_tokens)
     engine.lanes.append(decoder)  # freed with the engine
     return decoder
 
 
-def alone(engine, context, sampling=DraftSampling()):
+def alone(engine, context, sampling=DraftSampling(), pass_tokens=None):
     """What a request gets in a fresh lane, nothing held: (tokens, probs)."""
-    decoder = lane(engine, 1, len(context) + NUM_DRAFT, SessionCache(0))
+    decoder = lane(engine, 1, len(context) + NUM_DRAFT, SessionCache(0), pass_tokens)
     finished = decoder.admit([0], [context], [sampling])
     while not finished:
         finished = decoder.step()
@@ -169,6 +173,34 @@ def test_without_a_cache_nothing_is_kept_and_the_drafts_are_the_same_bits(engine
             finished = decoder.step()
         assert finished[0][1].tokens == alone(engine, context)[0]
         assert decoder.reusable(context) == 0 and decoder.held_tokens() == (0, 0)
+
+
+def test_contexts_prefilled_in_the_probed_passes_get_what_one_token_passes_give(engine):
+    # the engine prefills in passes of as many tokens as its probe at load found exact; contexts longer than the
+    # probe's, their passes starting anywhere (a held prefix of any length), get the bits of one-token passes
+    assert engine.pass_tokens in (1, *PASS_CANDIDATES)
+    assert engine.compute_choice["prefill_pass_tokens"] == engine.pass_tokens
+    rng = random.Random(3)
+    context = [rng.randrange(3, engine.vocab_size) for _ in range(PROBE_TOKENS + 150)]
+    one_token = alone(engine, context, DraftSampling(return_probs=True), pass_tokens=1)
+    assert alone(engine, context, DraftSampling(return_probs=True)) == one_token
+    decoder = lane(engine, 1, len(context) + NUM_DRAFT, SessionCache(0))
+    for held in (37, 300):  # a session holding that prefix, the rest computed in passes from there
+        for sent in (context[:held], context):
+            finished = decoder.admit([0], [sent], [DraftSampling(return_probs=True)])
+            while not finished:
+                finished = decoder.step()
+        assert (finished[0][1].tokens, finished[0][1].probs) == one_token
+
+
+def test_the_probe_refuses_a_pass_that_rounds_otherwise():
+    # one pass over the whole probe is computed by other kernels than one-token passes (docs/history.md, "Speed in
+    # llama.cpp"): the probe must not take it, and falls back to one-token passes
+    model = load_gguf_model(target_gguf(DEFAULT_TARGET))  # the embedded target's Q4_1 file
+    try:
+        assert exact_pass_tokens(model, threads=1, candidates=(PROBE_TOKENS,)) == 1
+    finally:
+        llama_cpp_module().llama_model_free(model)
 
 
 def test_a_draft_that_stops_is_the_full_drafts_prefix(engine):

@@ -25,6 +25,10 @@ GGUF_MAGIC = b"GGUF"
 # the llama_ftype values of llama.h that requantize takes, by name
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
 CTX_PAD = 256  # llama.cpp pads a sequence's cells to a multiple of this
+# prefill pass sizes ``exact_pass_tokens`` tries, and its probe's length: past the cache lengths at which llama.cpp
+# has been seen to compute a one-token pass with other kernels when it has several threads (docs/history.md)
+PASS_CANDIDATES = (32, 8)
+PROBE_TOKENS = 320
 
 
 def llama_cpp_module():
@@ -105,6 +109,42 @@ def sequences_context(model: Any, sequences: int, capacity: int, batch_tokens: i
         lib.llama_free(ctx)
         raise ValueError(f"{name}: {capacity} positions per sequence exceed what llama.cpp gives ({per_sequence})")
     return ctx, per_sequence
+
+
+def exact_pass_tokens(model: Any, threads: int, candidates: Sequence[int] = PASS_CANDIDATES,
+                      probe_tokens: int = PROBE_TOKENS) -> int:
+    """The most tokens a pass may carry, of ``candidates``, and still give every position the logits one-token
+    passes give it bit for bit, on this model, CPU and thread count (1 when none does). llama.cpp picks its kernels
+    by a pass's shape: past a few dozen tokens, or over a few hundred cached positions with several threads, they
+    round otherwise. Probed on ``probe_tokens`` fixed tokens, every position's logits compared."""
+    lib = llama_cpp_module()
+    vocab_size = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model)))
+    tokens = np.random.default_rng(0).integers(0, vocab_size, probe_tokens).tolist()
+    most = max(candidates)
+    ctx, _ = sequences_context(model, 1, probe_tokens, most, threads, "exact pass probe")
+    batch = lib.llama_batch_init(most, 0, 1)
+    memory = lib.llama_get_memory(ctx)
+
+    def logits(pass_tokens: int) -> np.ndarray:
+        lib.llama_memory_seq_rm(memory, 0, 0, -1)
+        rows = []
+        for start in range(0, probe_tokens, pass_tokens):
+            chunk = tokens[start:start + pass_tokens]
+            batch.n_tokens = len(chunk)
+            for i, token in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, start + i, 1, True
+                batch.seq_id[i][0] = 0
+            if lib.llama_decode(ctx, batch) != 0:
+                raise RuntimeError(f"exact pass probe: llama_decode failed on a pass of {len(chunk)} tokens")
+            rows += [logits_row(ctx, i, vocab_size).copy() for i in range(len(chunk))]
+        return np.stack(rows)
+
+    try:
+        one_token = logits(1)
+        return next((n for n in sorted(candidates, reverse=True) if np.array_equal(logits(n), one_token)), 1)
+    finally:
+        lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
 
 
 def logits_row(ctx: Any, index: int, vocab_size: int) -> np.ndarray:

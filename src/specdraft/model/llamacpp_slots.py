@@ -6,11 +6,12 @@ sequences with cells of their own (``kv_unified`` off, as the llama.cpp trace ba
 context into a sequence and ``step`` feeds every live row its last token in one ``llama_decode``; a one-token step
 per sequence gives the bits it gives alone, whoever shares the batch.
 
-Every position is computed in a pass of its own token: a prefill feeds a context one token per ``llama_decode``, as
-a decode step feeds a drafted one. A position's keys and values then depend only on the tokens up to it, never on
-how they were grouped into passes (llama.cpp rounds a pass of several tokens otherwise than one-token passes), so a
-request gets the same bits whatever the server computed before, with the cache on or off. On CPUs where llama.cpp's
-4-bit kernels do not batch, one-token passes cost a prefill little more per token than passes of many.
+Every position gets the bits a pass of its own token gives it: a decode step feeds a drafted token alone, and a
+prefill feeds a context in passes of ``pass_tokens`` tokens, the most that ``model.llamacpp.exact_pass_tokens``
+found to give one-token passes' logits bit for bit on this model, CPU and thread count (1 where none does: llama.cpp
+rounds a long pass, or with several threads a one-token pass over a long cache, otherwise). A position's keys and
+values then depend only on the tokens up to it, never on how they were grouped into passes, so a request gets the
+same bits whatever the server computed before, with the cache on or off.
 
 Prefix reuse is per sequence, as llama-server's slots keep their prompt (``cache_prompt``): with a ``SessionCache``
 a finished row's sequence keeps the keys and values of everything it was fed -- its context and its drafted tokens
@@ -62,7 +63,7 @@ class SessionCache:
     ``/health`` and ``/metrics`` read it). A row's own sequence keeps its context for reuse too, so the bytes
     ``stats`` reports as the budget are every sequence's: the rows' and the sessions the budget bought."""
 
-    block_tokens = 1  # reuse at token granularity: every position is computed in a one-token pass
+    block_tokens = 1  # reuse at token granularity: every position has the bits of a one-token pass
 
     def __init__(self, budget_bytes: int):
         if budget_bytes < 0:
@@ -115,7 +116,8 @@ class LlamaCppSlots:
     nothing is kept. The interface is ``SlotDecoder``'s."""
 
     def __init__(self, model: Any, slots: int, capacity: int, max_new_tokens: int, eos: set[int],
-                 vocab_size: int, threads: int | None = None, cache: SessionCache | None = None, name: str = "draft"):
+                 vocab_size: int, threads: int | None = None, cache: SessionCache | None = None, name: str = "draft",
+                 pass_tokens: int = 1):
         lib = self.lib = llama_cpp_module()
         self.slots, self.capacity, self.max_new_tokens, self.eos = slots, capacity, max_new_tokens, eos
         self.vocab_size, self.name = vocab_size, name
@@ -128,11 +130,13 @@ class LlamaCppSlots:
         extra = cache.claim(self, cells * self.token_bytes, most) if cache is not None else 0
         self.sequences = slots + extra  # a live row, or the context prefilled in pieces, holds one each
         threads = threads or max(1, (os.cpu_count() or 2) - 1)
-        # a step's batch holds one token per sequence (llama.cpp reserves its graph for that many outputs); a
-        # prefill's pass one
-        self.ctx, self.positions = sequences_context(model, self.sequences, capacity, self.sequences, threads, name)
+        # a step's batch holds one token per sequence, a prefill's pass ``pass_tokens`` (exact_pass_tokens' count:
+        # larger passes would round otherwise); llama.cpp reserves its graph for the larger
+        self.pass_tokens = pass_tokens
+        batch_tokens = max(self.sequences, pass_tokens)
+        self.ctx, self.positions = sequences_context(model, self.sequences, capacity, batch_tokens, threads, name)
         self.memory = lib.llama_get_memory(self.ctx)
-        self.batch = lib.llama_batch_init(self.sequences, 0, 1)
+        self.batch = lib.llama_batch_init(batch_tokens, 0, 1)
         self.rows: list[_Row] = []
         self.chunked: _Row | None = None  # the context being prefilled in pieces (its ``tokens`` empty)
         self._lock = threading.Lock()  # ``held`` and ``busy``: the HTTP side asks ``reusable``
@@ -289,18 +293,20 @@ class LlamaCppSlots:
     # ------------------------------------------------------------------------------------------- model calls
 
     def _fill(self, seq: int, prompt: list[int], start: int, end: int) -> np.ndarray:
-        """Compute ``prompt[start:end]`` into ``seq``, one token per pass (kept for reuse with a cache). The last
-        position's logits (a copy)."""
-        for pos in range(start, end):
-            self._put(0, prompt[pos], pos, seq, pos == end - 1)
-            self.batch.n_tokens = 1
-            self._decode(seq, cut=pos)
+        """Compute ``prompt[start:end]`` into ``seq`` in passes of ``pass_tokens`` (kept for reuse with a cache). The
+        last position's logits (a copy)."""
+        for first in range(start, end, self.pass_tokens):
+            chunk = prompt[first:min(first + self.pass_tokens, end)]
+            for n, token in enumerate(chunk):
+                self._put(n, token, first + n, seq, first + n == end - 1)
+            self.batch.n_tokens = len(chunk)
+            self._decode(seq, cut=first)
             if self.cache is not None:
                 with self._lock:
-                    self.held[seq].append(prompt[pos])
+                    self.held[seq].extend(chunk)
         if self.cache is not None:
             self.cache.count(stored_blocks=end - start)
-        return logits_row(self.ctx, 0, self.vocab_size).copy()
+        return logits_row(self.ctx, len(chunk) - 1, self.vocab_size).copy()
 
     def _put(self, n: int, token: int, position: int, seq: int, logits: bool) -> None:
         b = self.batch

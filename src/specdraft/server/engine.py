@@ -32,7 +32,13 @@ from specdraft.model.decode import draft_batch, draft_rows
 from specdraft.model.export import GGUF_RECORD_SUFFIX
 from specdraft.model.generation import DraftSampling, Generation, RowSampler
 from specdraft.model.lean import lean_forward, lean_unsupported
-from specdraft.model.llamacpp import check_gguf_file, llama_cpp_module, llama_cpp_version, load_gguf_model
+from specdraft.model.llamacpp import (
+    check_gguf_file,
+    exact_pass_tokens,
+    llama_cpp_module,
+    llama_cpp_version,
+    load_gguf_model,
+)
 from specdraft.model.llamacpp_check import engine_problem
 from specdraft.model.llamacpp_slots import LlamaCppSlots, SessionCache
 from specdraft.model.loader import load_draft, packed_weight_file
@@ -258,6 +264,8 @@ class LlamaCppEngine:
     threads: int
     compute_choice: dict[str, Any] = field(default_factory=dict)
     lanes: list[LlamaCppSlots] = field(default_factory=list)
+    # tokens per prefill pass that give one-token passes' bits (``model.llamacpp.exact_pass_tokens``, probed at load)
+    pass_tokens: int = 1
 
     def prefix_cache(self, block_tokens: int, budget_bytes: int) -> SessionCache:
         return SessionCache(budget_bytes)  # token granularity, whatever the block size (model.llamacpp_slots: why)
@@ -266,7 +274,8 @@ class LlamaCppEngine:
         if not self.model:
             raise RuntimeError(f"{self.path.name}: the engine is closed")
         decoder = LlamaCppSlots(self.model, slots, capacity, num_draft, eos=set(), vocab_size=self.vocab_size,
-                                threads=self.threads, cache=prefix_cache, name=self.path.name)
+                                threads=self.threads, cache=prefix_cache, name=self.path.name,
+                                pass_tokens=self.pass_tokens)
         self.lanes.append(decoder)
         return SlotLane(decoder, slots, capacity, 0 if prefix_cache is None else prefix_cache.block_tokens)
 
@@ -317,15 +326,22 @@ def load_llamacpp_engine(model_dir: str | os.PathLike, gguf: str | os.PathLike, 
     lib.llama_model_desc(model, buffer, len(buffer))
     description = buffer.value.decode(errors="replace")
     threads = threads or max(1, (os.cpu_count() or 2) - 1)
+    try:
+        pass_tokens = exact_pass_tokens(model, threads)
+    except BaseException:
+        lib.llama_model_free(model)
+        raise
     reason = (f"--engine llama.cpp: {path.name} ({description}) through llama-cpp-python "
-              f"{llama_cpp_version()}, {threads} thread(s)")
+              f"{llama_cpp_version()}, {threads} thread(s), prefill passes of {pass_tokens} token(s)")
     log.info("draft ready in llama.cpp: %s, %.2fs", reason, time.perf_counter() - started)
     vocab = lib.llama_model_get_vocab(model)
     return LlamaCppEngine(model=model, path=path, name=name or Path(model_dir).resolve().name,
                           compute=f"llama.cpp {description}", vocab_size=int(lib.llama_vocab_n_tokens(vocab)),
                           max_positions=int(lib.llama_model_n_ctx_train(model)) or None, threads=threads,
+                          pass_tokens=pass_tokens,
                           compute_choice={"compute": "llama.cpp", "engine": "llama.cpp", "gguf": str(path),
-                                          "model": description, "threads": threads, "reason": reason})
+                                          "model": description, "threads": threads,
+                                          "prefill_pass_tokens": pass_tokens, "reason": reason})
 
 
 def engine_hint() -> str | None:
