@@ -160,9 +160,11 @@ def _readme_loop_rows() -> list[str]:
     # whole conversations: the second turn's context extends what the server saw in the first (where measured)
     for cls, name in README_LOOP_CLASSES:
         if (RESULTS / f"server_loop_demo_conversation.{cls}.json").is_file():
-            level = load(f"server_loop_demo_conversation.{cls}")["figures"]["levels"][0]
+            conversation = load(f"server_loop_demo_conversation.{cls}")
+            level = conversation["figures"]["levels"][0]
             count = f"{level['loops']} loop" + ("s" if level["loops"] != 1 else "")
-            rows.append(f"| the same over whole MT-bench conversations (both turns in one loop), {count}, on {name}: "
+            rows.append(f"| the same over whole MT-bench conversations (both turns in one loop), {count}, on {name} "
+                        f"({conversation['date']}): "
                         f"llama.cpp engine / drafts that stop below confidence {LOOP_STOP} | "
                         f"{x(_loop_ratio(level, 'llama_engine', 'llama_server'))} / "
                         f"{x(_loop_ratio(level, f'llama_engine_stop_{LOOP_STOP}', 'llama_server'))} |")
