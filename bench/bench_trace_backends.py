@@ -175,6 +175,7 @@ def at_threads(threads: int, args, prompts: list[list[int]], gguf, converted: di
             print(f"  threads {threads}, {name} {setting}, repeat {repeat}: {sum(map(len, got.values()))} tokens "
                   f"in {lap.wall:.1f} s wall, {lap.cpu:.1f} CPU s", flush=True)
     runs = [summarise(name, setting, laps[k], rows[k]) for k, (name, setting, _) in enumerate(plan)]
+    file_run = next(j for j, r in enumerate(runs) if r["backend"] == "llama.cpp" and "weights" not in r)
     for k, run in enumerate(runs[1:], 1):
         if run["backend"] == "hf":  # in processes: the same model, other prompts sharing its batches
             run["identical_to_hf"] = rows[k] == rows[0]
@@ -184,7 +185,7 @@ def at_threads(threads: int, args, prompts: list[list[int]], gguf, converted: di
                      if r["backend"] == "llama.cpp" and r.get("weights") == run.get("weights"))
         run["identical_to_first_llama_cpp_run"] = rows[k] == rows[first]
         if "weights" in run:  # a converted file against the file as llama.cpp computes it
-            run["vs_file"] = agreement(rows[1], rows[k])
+            run["vs_file"] = agreement(rows[file_run], rows[k])
     best = max((r for r in runs[1:] if r["backend"] == "llama.cpp" and "weights" not in r),
                key=lambda r: r["tokens_per_cpu_s"])
     return {"threads": threads, "runs": runs,

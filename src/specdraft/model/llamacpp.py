@@ -111,6 +111,12 @@ def sequences_context(model: Any, sequences: int, capacity: int, batch_tokens: i
     return ctx, per_sequence
 
 
+def set_batch_token(batch: Any, n: int, token: int, position: int, seq: int, logits: bool) -> None:
+    """Entry ``n`` of a ``llama_batch``: ``token`` at ``position`` of sequence ``seq``, its logits wanted or not."""
+    batch.token[n], batch.pos[n], batch.n_seq_id[n], batch.logits[n] = token, position, 1, logits
+    batch.seq_id[n][0] = seq
+
+
 def exact_pass_tokens(model: Any, threads: int, candidates: Sequence[int] = PASS_CANDIDATES,
                       probe_tokens: int = PROBE_TOKENS) -> int:
     """The most tokens a pass may carry, of ``candidates``, and still give every position the logits one-token
@@ -132,8 +138,7 @@ def exact_pass_tokens(model: Any, threads: int, candidates: Sequence[int] = PASS
             chunk = tokens[start:start + pass_tokens]
             batch.n_tokens = len(chunk)
             for i, token in enumerate(chunk):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, start + i, 1, True
-                batch.seq_id[i][0] = 0
+                set_batch_token(batch, i, token, start + i, 0, True)
             if lib.llama_decode(ctx, batch) != 0:
                 raise RuntimeError(f"exact pass probe: llama_decode failed on a pass of {len(chunk)} tokens")
             rows += [logits_row(ctx, i, vocab_size).copy() for i in range(len(chunk))]
@@ -199,11 +204,7 @@ class LlamaCppModel:
             batch = self.batch
             batch.n_tokens = len(chunk)
             for i, tok in enumerate(chunk):
-                batch.token[i] = tok
-                batch.pos[i] = start + offset + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = offset + i >= first_logit
+                set_batch_token(batch, i, tok, start + offset + i, 0, offset + i >= first_logit)
             code = self.lib.llama_decode(self.llm.ctx, batch)
             if code != 0:
                 self.truncate(start)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from specdraft.model.generation import DraftSampling, Generation, RowSampler, finish_reason, row_samplers
-from specdraft.model.llamacpp import CTX_PAD, llama_cpp_module, logits_row, sequences_context
+from specdraft.model.llamacpp import CTX_PAD, llama_cpp_module, logits_row, sequences_context, set_batch_token
 from specdraft.model.prefix_cache import PrefixCacheStats
 
 CPU = torch.device("cpu")  # llama.cpp hands its logits over in host memory
@@ -235,7 +235,7 @@ class LlamaCppSlots:
             return []
         batch = self.batch
         for n, row in enumerate(self.rows):
-            self._put(n, row.tokens[-1], row.position, row.seq, True)
+            set_batch_token(self.batch, n, row.tokens[-1], row.position, row.seq, True)
         batch.n_tokens = len(self.rows)
         self._decode(self.rows[0].seq)
         picked = [self._pick(row, logits_row(self.ctx, n, self.vocab_size)) for n, row in enumerate(self.rows)]
@@ -298,7 +298,7 @@ class LlamaCppSlots:
         for first in range(start, end, self.pass_tokens):
             chunk = prompt[first:min(first + self.pass_tokens, end)]
             for n, token in enumerate(chunk):
-                self._put(n, token, first + n, seq, first + n == end - 1)
+                set_batch_token(self.batch, n, token, first + n, seq, first + n == end - 1)
             self.batch.n_tokens = len(chunk)
             self._decode(seq, cut=first)
             if self.cache is not None:
@@ -307,11 +307,6 @@ class LlamaCppSlots:
         if self.cache is not None:
             self.cache.count(stored_blocks=end - start)
         return logits_row(self.ctx, len(chunk) - 1, self.vocab_size).copy()
-
-    def _put(self, n: int, token: int, position: int, seq: int, logits: bool) -> None:
-        b = self.batch
-        b.token[n], b.pos[n], b.n_seq_id[n], b.logits[n] = token, position, 1, logits
-        b.seq_id[n][0] = seq
 
     def _decode(self, seq: int, cut: int | None = None) -> None:
         code = self.lib.llama_decode(self.ctx, self.batch)

@@ -33,6 +33,7 @@ from specdraft.model.llamacpp import (
     load_gguf_model,
     logits_row,
     sequences_context,
+    set_batch_token,
 )
 from specdraft.model.llamacpp_check import engine_problem
 from specdraft.model.specs import CONVERSION_RECORD, ModelSpecError, embedded_gguf_path
@@ -194,8 +195,7 @@ class LlamaCppBackend(TraceBackend):
             entries = [(row.tokens[-1], len(row.prompt) + len(row.tokens) - 1, seq, True)
                        for seq, row in enumerate(rows) if row is not None]
         for n, (token, pos, seq, logits) in enumerate(entries):
-            batch.token[n], batch.pos[n], batch.n_seq_id[n], batch.logits[n] = token, pos, 1, logits
-            batch.seq_id[n][0] = seq
+            set_batch_token(batch, n, token, pos, seq, logits)
             if logits:
                 outputs.append((seq, n))
         batch.n_tokens = len(entries)
